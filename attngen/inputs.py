@@ -1,0 +1,171 @@
+"""Runtime input checks (DESIGN.md §2): shapes, dtypes, devices, g/beta presence, cu_seqlens.
+
+Every problem is a ValueError that names the argument, what it got and what it expects.
+The checked call is summarised in a frozen `Call` that the planner and the forms read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from .spec import Spec
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The sizes of one checked call."""
+
+    batch: int          # B (1 with cu_seqlens)
+    q_len: int          # Tq
+    k_len: int          # Tk (== Tq for linear attention)
+    heads: int          # H
+    head_dim: int       # K
+    value_dim: int      # V
+    feature_dim: int    # F
+    num_seqs: int       # N: B, or the number of packed sequences
+    max_len: int        # longest sequence (Tk, or the longest packed one)
+    scale: float
+    varlen: bool
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _tensor(name: str, t, rank: int, expect: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor of shape {expect}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected shape {expect} ({rank} dims), got {_shape(t)}")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name}: expected a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}")
+    return t
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], expect: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}")
+
+
+def _same(name: str, t: torch.Tensor, ref: torch.Tensor, dtype: bool = True) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device} (that of q), got {t.device}")
+    if dtype and t.dtype != ref.dtype:
+        raise ValueError(f"{name}: expected dtype {ref.dtype} (that of q), got {t.dtype}")
+
+
+def _scale(spec: Spec, scale, head_dim: int) -> float:
+    if scale is None:
+        return spec.default_scale(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < float(scale) < float("inf"):
+        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def _cu_seqlens(cu_seqlens, q: torch.Tensor, total: int) -> torch.Tensor:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        got = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1], got {got}")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got q of shape {_shape(q)}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens: expected at least 2 entries [0, ..., T]")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: expected device {q.device} (that of q), got {cu_seqlens.device}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != total:
+        raise ValueError(f"cu_seqlens: expected to start at 0 and end at T = {total}, got {cu[0]} ... {cu[-1]}")
+    if any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {cu}")
+    return cu_seqlens
+
+
+def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None) -> Call:
+    q = _tensor("q", q, 4, "[B, T, H, K]")
+    B, T, H, K = q.shape
+    _tensor("k", k, 4, "[B, T, H, K]")
+    _expect("k", k, (B, T, H, K), "[B, T, H, K]")
+    _same("k", k, q)
+    _tensor("v", v, 4, "[B, T, H, V]")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+    _same("v", v, q)
+    V = v.shape[3]
+    if T == 0 or K == 0 or V == 0 or H == 0 or B == 0:
+        raise ValueError(f"q, v: expected non-empty tensors, got q {_shape(q)} and v {_shape(v)}")
+    F = spec.feature_dim(K)
+
+    if spec.decay == "none":
+        if g is not None:
+            raise ValueError(f"g: this spec has decay: none, so g must be None; got a tensor {_shape(g)}")
+    else:
+        expect = {"constant": ("[H]", (H,)), "scalar": ("[B, T, H]", (B, T, H)),
+                  "vector": ("[B, T, H, K]", (B, T, H, K))}[spec.decay]
+        if g is None:
+            raise ValueError(f"g: this spec has decay: {spec.decay}, so g (log decay) of shape {expect[0]} is required")
+        _tensor("g", g, len(expect[1]), expect[0])
+        _expect("g", g, expect[1], expect[0])
+        _same("g", g, q, dtype=False)
+    if spec.update == "delta":
+        if beta is None:
+            raise ValueError("beta: this spec has update: delta, so beta of shape [B, T, H] is required")
+        _tensor("beta", beta, 3, "[B, T, H]")
+        _expect("beta", beta, (B, T, H), "[B, T, H]")
+        _same("beta", beta, q, dtype=False)
+    elif beta is not None:
+        raise ValueError(f"beta: this spec has update: additive, so beta must be None; got a tensor {_shape(beta)}")
+
+    varlen = cu_seqlens is not None
+    if varlen:
+        cu_seqlens = _cu_seqlens(cu_seqlens, q, T)
+        N = cu_seqlens.numel() - 1
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    else:
+        N, max_len = B, T
+    Vs = V + 1 if spec.normalize == "sum" else V
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4, "[N, H, F, V]")
+        extra = " (V + 1 columns: the last holds the normalizer)" if Vs != V else ""
+        _expect("initial_state", initial_state, (N, H, F, Vs), f"[N, H, F, V]{extra}")
+        _same("initial_state", initial_state, q, dtype=False)
+    return Call(B, T, T, H, K, V, F, N, max_len, _scale(spec, scale, K), varlen)
+
+
+def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> Call:
+    q = _tensor("q", q, 4, "[B, Tq, H, K]")
+    B, Tq, H, K = q.shape
+    _tensor("k", k, 4, "[B, Tk, H, K]")
+    Tk = k.shape[1]
+    _expect("k", k, (B, Tk, H, K), "[B, Tk, H, K]")
+    _same("k", k, q)
+    _tensor("v", v, 4, "[B, Tk, H, V]")
+    if tuple(v.shape[:3]) != (B, Tk, H):
+        raise ValueError(f"v: expected shape [B, Tk, H, V] = [{B}, {Tk}, {H}, V], got {_shape(v)}")
+    _same("v", v, q)
+    V = v.shape[3]
+    if min(B, Tq, H, K, V) == 0:
+        raise ValueError(f"q, v: expected non-empty tensors, got q {_shape(q)} and v {_shape(v)}")
+    if Tq > Tk:
+        raise ValueError(f"q: expected Tq <= Tk (queries align to the end of the keys), got Tq = {Tq} > Tk = {Tk}")
+    if spec.decay == "scalar":
+        if g is None:
+            raise ValueError("g: this spec has decay: scalar, so g (log decay) of shape [B, Tk, H] is required")
+        _tensor("g", g, 3, "[B, Tk, H]")
+        _expect("g", g, (B, Tk, H), "[B, Tk, H]")
+        _same("g", g, q, dtype=False)
+    elif g is not None:
+        raise ValueError(f"g: this spec has decay: none, so g must be None; got a tensor {_shape(g)}")
+    varlen = cu_seqlens is not None
+    if varlen:
+        if Tq != Tk:
+            raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
+        cu_seqlens = _cu_seqlens(cu_seqlens, q, Tk)
+        N = cu_seqlens.numel() - 1
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    else:
+        N, max_len = B, Tk
+    return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen)

@@ -1,0 +1,223 @@
+"""The planner: Spec -> Plan. A plan lists the legal forms of a spec, each a DAG of named
+stages (networkx) with typed inputs and outputs, and the rule that picks a form per call.
+
+Forms are data. `execute` runs a form with the PyTorch stage functions of forms.py, so the
+lowering is testable apart from any code generation.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import networkx as nx
+import torch
+
+from . import forms
+from .inputs import Call
+from .spec import Spec
+
+# The rule that picks a form (linear attention, per call). Sequences up to RECURRENT_MAX_LEN
+# tokens run the token loop; up to PARALLEL_MAX_LEN the quadratic form; longer, the chunked
+# form with DEFAULT_CHUNK tokens per chunk.
+RECURRENT_MAX_LEN = 16
+PARALLEL_MAX_LEN = 64
+DEFAULT_CHUNK = 64
+FORM_NAMES = ("recurrent", "parallel", "chunked")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One step of a form: forms.<fn>(ctx, **{arg: env[name]}) -> outputs, in order."""
+
+    fn: str
+    inputs: tuple[tuple[str, str], ...]   # (argument, value name)
+    outputs: tuple[str, ...]
+    doc: str
+
+    def signature(self) -> str:
+        ins = ", ".join(name if arg == name else f"{arg}={name}" for arg, name in self.inputs)
+        return f"{self.fn}({ins}) -> {', '.join(self.outputs)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    name: str
+    stages: tuple[Stage, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    doc: str
+
+    def graph(self) -> nx.DiGraph:
+        """Stages as nodes, an edge per value passed from one stage to another."""
+        dag = nx.DiGraph()
+        producer: dict[str, str] = {name: "input" for name in self.inputs}
+        dag.add_node("input")
+        for stage in self.stages:
+            dag.add_node(stage.fn, stage=stage)
+            for _, name in stage.inputs:
+                dag.add_edge(producer[name], stage.fn, value=name)
+            for name in stage.outputs:
+                producer[name] = stage.fn
+        dag.add_node("output")
+        for name in self.outputs:
+            dag.add_edge(producer[name], "output", value=name)
+        return dag
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    spec: Spec
+    forms: tuple[Form, ...]
+
+    def form(self, name: str) -> Form:
+        for f in self.forms:
+            if f.name == name:
+                return f
+        legal = ", ".join(f.name for f in self.forms)
+        raise ValueError(f"form: {name!r} is not a legal form of spec {self.spec.name!r}; legal: {legal}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    form: str
+    chunk: int
+    reason: str
+
+
+def validate_form(form: Form) -> None:
+    """Every stage reads values that exist, nothing is produced twice, the graph is acyclic."""
+    known = set(form.inputs)
+    for stage in form.stages:
+        if not hasattr(forms, stage.fn):
+            raise ValueError(f"form {form.name}: stage {stage.fn!r} has no implementation in forms.py")
+        for _, name in stage.inputs:
+            if name not in known:
+                raise ValueError(f"form {form.name}: stage {stage.fn} reads {name!r} before it is produced")
+        for name in stage.outputs:
+            if name in known:
+                raise ValueError(f"form {form.name}: {name!r} is produced twice")
+            known.add(name)
+    missing = set(form.outputs) - known
+    if missing:
+        raise ValueError(f"form {form.name}: outputs {sorted(missing)} are never produced")
+    if not nx.is_directed_acyclic_graph(form.graph()):
+        raise ValueError(f"form {form.name}: the stage graph has a cycle")
+
+
+def _s(fn: str, ins: dict[str, str] | tuple[str, ...], outs: tuple[str, ...] | str, doc: str) -> Stage:
+    pairs = tuple(ins.items()) if isinstance(ins, dict) else tuple((n, n) for n in ins)
+    return Stage(fn, pairs, (outs,) if isinstance(outs, str) else outs, doc)
+
+
+def _linear_forms(spec: Spec) -> tuple[Form, ...]:
+    norm = spec.normalize == "sum"
+    head = [
+        _s("feature_map", ("q", "k"), ("q_hat", "k_hat"), "phi, l2 norm and scale on q"),
+        _s("log_decay", ("g",), "log_g", f"per-token log decay ({spec.decay})"),
+    ]
+    v = "v"
+    if norm:
+        head.append(_s("normalizer_column", ("v",), "v_aug", "append the ones column of the sum normalizer"))
+        v = "v_aug"
+    head.append(_s("to_sequences", {"q": "q_hat", "k": "k_hat", "v": v, "g": "log_g", "beta": "beta",
+                                    "cu_seqlens": "cu_seqlens"},
+                   ("qs", "ks", "vs", "gs", "bs", "valid"), "one padded row per sequence, [N, H, L, *]"))
+    out = "o_sum" if norm else "o"
+    tail = [_s("from_sequences", {"out": "os", "valid": "valid"}, out, "back to [B, T, H, *]")]
+    if norm:
+        tail.append(_s("normalize_output", {"o": "o_sum"}, "o", "divide by z.q + eps"))
+    inputs = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")
+    outputs = ("o", "final_state")
+
+    if spec.mask == "bidirectional":
+        body = [_s("global_state", {"ks": "ks", "vs": "vs", "s0": "initial_state"}, "final_state",
+                   "S = S0 + K^T V"),
+                _s("readout", {"qs": "qs", "S": "final_state"}, "os", "o_t = S^T q_t")]
+        return (Form("parallel", tuple(head + body + tail), inputs, outputs,
+                     "every token reads the whole sequence's state"),)
+
+    recurrent = [_s("token_scan", {"qs": "qs", "ks": "ks", "vs": "vs", "gs": "gs", "bs": "bs",
+                                   "s0": "initial_state"}, ("os", "final_state"), "one step per token")]
+    chunk = [_s("chunk_decay", ("gs",), "G", "cumulative log decay inside each chunk"),
+             _s("intra_chunk", ("qs", "ks", "G"), "P", "decayed causal q.k scores inside each chunk")]
+    scan_in = {"qs": "qs", "ks": "ks", "values": "vs", "G": "G", "P": "P", "s0": "initial_state"}
+    if spec.update == "delta":
+        chunk.append(_s("ut_transform", ("ks", "vs", "bs", "G"), ("W", "U"),
+                        "WY representation: solve (I + A) [W U] = diag(beta) [K*Gamma V]"))
+        scan_in.update(values="U", W="W")
+    chunk.append(_s("state_scan", scan_in, ("os", "final_state"),
+                    "per chunk: U - W S, (Q*Gamma) S + P U, state passed on"))
+    return (
+        Form("recurrent", tuple(head + recurrent + tail), inputs, outputs, "the token loop"),
+        Form("parallel", tuple(head + chunk + tail), inputs, outputs,
+             "the quadratic form: one chunk spanning the sequence"),
+        Form("chunked", tuple(head + chunk + tail), inputs, outputs,
+             "intra-chunk parallel, inter-chunk state passing"),
+    )
+
+
+def _softmax_forms(spec: Spec) -> tuple[Form, ...]:
+    stages = (
+        _s("to_sequences", {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "cu_seqlens": "cu_seqlens"},
+           ("qs", "ks", "vs", "gs", "bs", "valid"), "one padded row per sequence, [N, H, L, *]"),
+        _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), "os",
+           f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block"),
+        _s("from_sequences", {"out": "os", "valid": "valid"}, "o", "back to [B, Tq, H, V]"),
+    )
+    return (Form("parallel", stages, ("q", "k", "v", "g", "beta", "cu_seqlens"), ("o",),
+                 "flash-style: scores, mask, softmax, values"),)
+
+
+def plan(spec: Spec) -> Plan:
+    built = _linear_forms(spec) if spec.is_linear else _softmax_forms(spec)
+    for form in built:
+        validate_form(form)
+    return Plan(spec, built)
+
+
+def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None = None) -> Choice:
+    """The form and chunk size for one call: the user's if given, else by sequence length."""
+    legal = [f.name for f in plan_.forms]
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                              or chunk < 1 or chunk & (chunk - 1) or chunk > 256):
+        raise ValueError(f"chunk_size: expected a power of two from 1 to 256, got {chunk!r}")
+    if form is not None:
+        plan_.form(form)
+        reason = "asked for"
+    elif len(legal) == 1:
+        form, reason = legal[0], "the only form"
+    elif call.max_len <= RECURRENT_MAX_LEN:
+        form, reason = "recurrent", f"longest sequence {call.max_len} <= {RECURRENT_MAX_LEN} tokens"
+    elif call.max_len <= PARALLEL_MAX_LEN:
+        form, reason = "parallel", f"longest sequence {call.max_len} <= {PARALLEL_MAX_LEN} tokens"
+    else:
+        form, reason = "chunked", f"longest sequence {call.max_len} > {PARALLEL_MAX_LEN} tokens"
+    if form == "chunked":
+        size = chunk or DEFAULT_CHUNK
+    elif form == "parallel" and plan_.spec.is_linear and plan_.spec.mask != "bidirectional":
+        size = call.max_len  # one chunk spans the sequence
+    else:
+        size = 1
+    return Choice(form, size, reason)
+
+
+def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:
+    """Run a form's stages in topological order with the PyTorch stage functions."""
+    env = dict(env)
+    order = [n for n in nx.topological_sort(form.graph()) if n not in ("input", "output")]
+    by_fn = {s.fn: s for s in form.stages}
+    for fn in order:
+        stage = by_fn[fn]
+        result = getattr(forms, fn)(ctx, **{arg: env[name] for arg, name in stage.inputs})
+        result = result if isinstance(result, tuple) else (result,)
+        env.update(zip(stage.outputs, result))
+    return {name: env[name] for name in form.outputs}
+
+
+def explain(plan_: Plan) -> str:
+    """The plan as text: semantics, then each form's stages."""
+    lines = [f"{plan_.spec.name}: {plan_.spec.describe()}", f"legal forms: {', '.join(f.name for f in plan_.forms)}"]
+    for form in plan_.forms:
+        lines.append(f"\nform {form.name}: {form.doc}")
+        for i, stage in enumerate(form.stages, 1):
+            lines.append(f"  {i:2d}. {stage.signature():<70s} # {stage.doc}")
+    return "\n".join(lines)

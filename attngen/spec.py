@@ -1,0 +1,366 @@
+"""Spec loading: YAML (or a dict) -> a frozen, validated `Spec`.
+
+The field list, types, allowed values and defaults come from schema.yaml beside this file;
+the rules that tie fields together live here. Every problem becomes one `SpecError`
+naming the file, the line, the field, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
+# torch.Generator.manual_seed takes at most an unsigned 64-bit seed.
+_SEED_MAX = 2**64 - 1
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
+
+
+class SpecError(ValueError):
+    """A spec is malformed or illegal. The message names file, line, field, value, allowed."""
+
+    def __init__(self, source: str, line: int | None, field: str | None, message: str):
+        self.source, self.line, self.field = source, line, field
+        where = source if line is None else f"{source}:{line}"
+        what = f"field '{field}': " if field else ""
+        super().__init__(f"{where}: {what}{message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FavorPlus:
+    features: int = 64
+    orthogonal: bool = True
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A validated attention spec (DESIGN.md §1). Defaults are filled in."""
+
+    name: str
+    attention: str                      # linear | softmax
+    feature_map: str = "identity"       # identity | elu_plus_one | relu | favor_plus | expr
+    feature_expr: str | None = None     # the sympy expression when feature_map == "expr"
+    favor_plus: FavorPlus | None = None
+    qk_norm: str = "none"
+    update: str = "additive"
+    decay: str = "none"
+    normalize: str = "none"
+    mask: str = "causal"
+    window: int | None = None
+    scale: float | None = None          # None: auto
+    source: str = dataclasses.field(default="<dict>", compare=False)
+
+    @property
+    def is_linear(self) -> bool:
+        return self.attention == "linear"
+
+    def feature_dim(self, head_dim: int) -> int:
+        """F, the state's row count: K, or the FAVOR+ feature count."""
+        return self.favor_plus.features if self.feature_map == "favor_plus" else head_dim
+
+    def default_scale(self, head_dim: int) -> float:
+        if self.scale is not None:
+            return self.scale
+        return 1.0 if self.feature_map == "favor_plus" else head_dim ** -0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """The canonical dict form: loading it gives back an equal Spec."""
+        d: dict[str, Any] = {"name": self.name, "attention": self.attention}
+        if self.is_linear:
+            d["feature_map"] = {"expr": self.feature_expr} if self.feature_map == "expr" else self.feature_map
+            if self.favor_plus is not None:
+                d["favor_plus"] = dataclasses.asdict(self.favor_plus)
+            d.update(qk_norm=self.qk_norm, update=self.update)
+        d["decay"] = self.decay
+        if self.is_linear:
+            d["normalize"] = self.normalize
+        d["mask"] = self.mask
+        if self.window is not None:
+            d["window"] = self.window
+        d["scale"] = "auto" if self.scale is None else self.scale
+        return d
+
+    @property
+    def hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def describe(self) -> str:
+        """The semantics in one line."""
+        if not self.is_linear:
+            bias = " + cumulative log-decay bias" if self.decay == "scalar" else ""
+            win = f" (window {self.window})" if self.mask == "sliding_window" else ""
+            return f"softmax attention, {self.mask}{win}{bias}"
+        fm = f"expr {self.feature_expr!r}" if self.feature_map == "expr" else self.feature_map
+        rule = {"additive": "S = D(S) + k v^T",
+                "delta": "S = D(S) + beta k (v - D(S)^T k)^T"}[self.update]
+        parts = [f"linear attention, phi = {fm}"]
+        if self.qk_norm == "l2":
+            parts.append("l2-normalised q,k")
+        parts.append(f"{rule}, decay {self.decay}")
+        if self.normalize == "sum":
+            parts.append("sum-normalised output")
+        parts.append(self.mask)
+        return "; ".join(parts)
+
+
+@lru_cache(maxsize=1)
+def schema() -> dict[str, Any]:
+    with open(SCHEMA_PATH) as f:
+        return yaml.safe_load(f)
+
+
+# --------------------------------------------------------------------------- YAML with lines
+
+class _Located:
+    """Maps a field path to its line in the YAML source (1-based), when known."""
+
+    def __init__(self, source: str, lines: dict[str, int] | None = None):
+        self.source, self.lines = source, lines or {}
+
+    def error(self, field: str | None, message: str, at: str | None = None) -> SpecError:
+        """`at`: the field whose line to show when `field` itself is not in the file."""
+        line = self.lines.get(field) if field else None
+        if line is None and at:
+            line = self.lines.get(at)
+        if line is None and field and "." in field:
+            line = self.lines.get(field.split(".")[0])
+        return SpecError(self.source, line, field, message)
+
+
+def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
+    """Parse YAML, keeping each key's line and rejecting duplicate keys."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, source) from None
+    if node is None:
+        raise SpecError(source, None, None, "the spec is empty; expected a mapping with at least 'name' and 'attention'")
+    if not isinstance(node, yaml.MappingNode):
+        raise SpecError(source, node.start_mark.line + 1, None,
+                        "the spec must be a mapping of fields (name: ..., attention: ...)")
+    lines: dict[str, int] = {}
+
+    def walk(mapping: yaml.MappingNode, prefix: str) -> None:
+        seen = set()
+        for key, value in mapping.value:
+            if not isinstance(key, yaml.ScalarNode):
+                raise SpecError(source, key.start_mark.line + 1, None, "field names must be plain words")
+            name = prefix + key.value
+            if name in seen:
+                raise SpecError(source, key.start_mark.line + 1, name, "is given twice")
+            seen.add(name)
+            lines[name] = key.start_mark.line + 1
+            if isinstance(value, yaml.MappingNode):
+                walk(value, name + ".")
+
+    walk(node, "")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:  # e.g. a tag the safe loader refuses
+        raise _yaml_error(e, source) from None
+    except (ValueError, OverflowError) as e:  # a value the loader cannot build, e.g. the date 2001-13-45
+        raise SpecError(source, None, None, f"malformed YAML: a value cannot be read ({e})") from None
+    return data, _Located(source, lines)
+
+
+def _yaml_error(e: yaml.YAMLError, source: str) -> SpecError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    problem = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    return SpecError(source, line, None, f"malformed YAML: {problem}")
+
+
+# --------------------------------------------------------------------------- validation
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_finite(x: int | float) -> bool:
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _choice(loc: _Located, data: Mapping[str, Any], field: str, allowed: list[str]) -> str:
+    info = schema()["fields"][field]
+    value = data.get(field, info.get("default"))
+    if not isinstance(value, str) or value not in allowed:
+        raise loc.error(field, f"value {value!r} is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _validate(data: Any, loc: _Located) -> Spec:
+    fields = schema()["fields"]
+    if not isinstance(data, Mapping):
+        raise loc.error(None, f"the spec must be a mapping of fields, got {type(data).__name__}")
+    for key in data:
+        if key not in fields:
+            raise loc.error(str(key), f"unknown field {key!r}; allowed fields: {', '.join(fields)}")
+    for key in ("name", "attention"):
+        if key not in data:
+            raise loc.error(key, f"is required (allowed: {_allowed_text(key)})")
+
+    name = data["name"]
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise loc.error("name", f"value {name!r} is not allowed; allowed: a word matching [a-z][a-z0-9_]*")
+    attention = _choice(loc, data, "attention", fields["attention"]["allowed"])
+    linear = attention == "linear"
+
+    if not linear:
+        for key in ("feature_map", "favor_plus", "qk_norm", "update", "normalize"):
+            default = fields[key].get("default")
+            if key in data and data[key] != default:
+                raise loc.error(key, f"value {data[key]!r} is not allowed with attention: softmax; "
+                                     f"this field is only for attention: linear (allowed here: omit it)")
+
+    feature_map, feature_expr = "identity", None
+    if linear:
+        fm = data.get("feature_map", "identity")
+        if isinstance(fm, Mapping):
+            if set(fm) != {"expr"}:
+                raise loc.error("feature_map", f"value {dict(fm)!r} is not allowed; a mapping here must be "
+                                               "exactly {expr: \"<sympy expression in x>\"}")
+            expr = fm["expr"]
+            if not isinstance(expr, str):
+                raise loc.error("feature_map.expr", f"value {expr!r} is not allowed; allowed: a string holding a "
+                                                    "sympy expression in x, e.g. \"exp(x)\"")
+            from .algebra import parse_feature_expr  # sympy is heavy; import only when used
+            try:
+                parse_feature_expr(expr)
+            except ValueError as e:
+                raise loc.error("feature_map.expr", str(e)) from None
+            feature_map, feature_expr = "expr", expr
+        else:
+            allowed = [a for a in fields["feature_map"]["allowed"] if not a.startswith("{")]
+            if not isinstance(fm, str) or fm not in allowed:
+                raise loc.error("feature_map", f"value {fm!r} is not allowed; allowed: {', '.join(allowed)}, "
+                                               "or {expr: \"<sympy expression in x>\"}")
+            feature_map = fm
+
+    favor = None
+    if "favor_plus" in data and feature_map != "favor_plus":
+        raise loc.error("favor_plus", f"value {data['favor_plus']!r} is only allowed with feature_map: favor_plus "
+                                      f"(feature_map is {feature_map!r})")
+    if feature_map == "favor_plus":
+        raw = data.get("favor_plus")
+        raw = {} if raw is None else raw
+        if not isinstance(raw, Mapping):
+            raise loc.error("favor_plus", f"value {raw!r} is not allowed; allowed: a mapping with "
+                                          "features, orthogonal, seed")
+        sub = fields["favor_plus"]["fields"]
+        for key in raw:
+            if key not in sub:
+                raise loc.error(f"favor_plus.{key}", f"unknown field {key!r}; allowed fields: {', '.join(sub)}")
+        feats = raw.get("features", sub["features"]["default"])
+        if not _is_int(feats) or not sub["features"]["min"] <= feats <= sub["features"]["max"]:
+            raise loc.error("favor_plus.features", f"value {feats!r} is not allowed; allowed: an integer from "
+                                                   f"{sub['features']['min']} to {sub['features']['max']}")
+        orth = raw.get("orthogonal", sub["orthogonal"]["default"])
+        if not isinstance(orth, bool):
+            raise loc.error("favor_plus.orthogonal", f"value {orth!r} is not allowed; allowed: true, false")
+        seed = raw.get("seed", sub["seed"]["default"])
+        seed_max = sub["seed"].get("max", _SEED_MAX)
+        if not _is_int(seed) or not 0 <= seed <= seed_max:
+            raise loc.error("favor_plus.seed", f"value {seed!r} is not allowed; allowed: an integer from 0 to {seed_max}")
+        favor = FavorPlus(feats, orth, seed)
+
+    qk_norm = _choice(loc, data, "qk_norm", fields["qk_norm"]["allowed"]) if linear else "none"
+    update = _choice(loc, data, "update", fields["update"]["allowed"]) if linear else "additive"
+    normalize = _choice(loc, data, "normalize", fields["normalize"]["allowed"]) if linear else "none"
+    decay = _choice(loc, data, "decay", fields["decay"]["allowed" if linear else "allowed_softmax"])
+    mask = _choice(loc, data, "mask", fields["mask"]["allowed"])
+
+    window = data.get("window")
+    if mask == "sliding_window":
+        if window is None:
+            raise loc.error("window", "is required with mask: sliding_window (allowed: an integer >= 1)", at="mask")
+        if not _is_int(window) or window < 1:
+            raise loc.error("window", f"value {window!r} is not allowed; allowed: an integer >= 1")
+    elif "window" in data:
+        raise loc.error("window", f"value {window!r} is only allowed with mask: sliding_window (mask is {mask!r})")
+
+    raw_scale = data.get("scale", "auto")
+    if raw_scale == "auto":
+        scale = None
+    elif _is_number(raw_scale) and raw_scale > 0 and _is_finite(raw_scale):
+        scale = float(raw_scale)
+    else:
+        raise loc.error("scale", f"value {raw_scale!r} is not allowed; allowed: auto, or a positive finite number")
+
+    # Rules that tie fields together.
+    if linear:
+        if mask == "sliding_window":
+            raise loc.error("mask", "value 'sliding_window' is not allowed with attention: linear; "
+                                    "allowed: causal, bidirectional")
+        if mask == "bidirectional" and decay != "none":
+            raise loc.error("decay", f"value {decay!r} is not allowed with mask: bidirectional "
+                                     "(a bidirectional linear state has no time order); allowed: none")
+        if mask == "bidirectional" and update == "delta":
+            raise loc.error("update", "value 'delta' is not allowed with mask: bidirectional; allowed: additive")
+        if normalize == "sum" and update == "delta":
+            raise loc.error("normalize", "value 'sum' is not allowed with update: delta; allowed: none")
+        if decay == "vector" and feature_map == "favor_plus":
+            raise loc.error("decay", "value 'vector' is not allowed with feature_map: favor_plus (the decay is "
+                                     "per key channel, the state is per random feature); allowed: none, "
+                                     "constant, scalar")
+    elif mask == "bidirectional" and decay == "scalar":
+        raise loc.error("decay", "value 'scalar' is not allowed with attention: softmax and mask: bidirectional "
+                                 "(the decay bias needs a time order); allowed: none")
+
+    return Spec(name=name, attention=attention, feature_map=feature_map, feature_expr=feature_expr,
+                favor_plus=favor, qk_norm=qk_norm, update=update, decay=decay, normalize=normalize,
+                mask=mask, window=window if mask == "sliding_window" else None, scale=scale,
+                source=loc.source)
+
+
+def _allowed_text(field: str) -> str:
+    info = schema()["fields"][field]
+    if "allowed" in info:
+        return ", ".join(info["allowed"])
+    return info.get("pattern", info.get("type"))
+
+
+# --------------------------------------------------------------------------- entry points
+
+def parse_spec(text: str, source: str = "<string>") -> Spec:
+    try:
+        data, loc = _compose(text, source)
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise SpecError(source, None, None, "malformed YAML: collections are nested too deeply") from None
+    return _validate(data, loc)
+
+
+def load_spec(spec: str | Path | Mapping[str, Any] | Spec) -> Spec:
+    """A path to a YAML file, a mapping, or a Spec -> a validated Spec."""
+    if isinstance(spec, Spec):
+        return spec
+    if isinstance(spec, Mapping):
+        return _validate(dict(spec), _Located("<dict>"))
+    if isinstance(spec, (str, Path)):
+        path = Path(spec)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise SpecError(str(path), None, None, f"cannot read the spec file: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpecError(str(path), None, None, "the spec file is not UTF-8 text") from None
+        except ValueError as e:  # e.g. a path holding a NUL byte
+            raise SpecError(repr(str(path)), None, None, f"cannot read the spec file: {e}") from None
+        return parse_spec(text, str(path))
+    raise SpecError("<argument>", None, None,
+                    f"expected a path to a YAML file, a dict or a Spec, got {type(spec).__name__}")
