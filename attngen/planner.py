@@ -11,7 +11,7 @@ import dataclasses
 import networkx as nx
 import torch
 
-from . import forms
+from . import forms, reference
 from .inputs import Call
 from .spec import Spec
 
@@ -198,6 +198,46 @@ def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None =
     else:
         size = 1
     return Choice(form, size, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Every structural choice the kernel templates need, decided here, once."""
+
+    name: str
+    spec_hash: str
+    semantics: str
+    attention: str                  # linear | softmax
+    forms: tuple[str, ...]
+    feature: str                    # identity | elementwise | favor_plus
+    phi: str                        # Triton source of phi(x) (elementwise maps)
+    phi_grad: str                   # Triton source of phi'(x)
+    qk_norm: bool
+    update: str                     # additive | delta
+    decay: str                      # none | constant | scalar | vector
+    normalize: bool
+    mask: str                       # causal | bidirectional | sliding_window
+    window: int
+    l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
+    norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
+
+
+def kernel_spec(spec: Spec) -> KernelSpec:
+    from . import algebra  # sympy only when generating code
+
+    if spec.is_linear and spec.feature_map != "favor_plus":
+        expr = algebra.feature_expr(spec.feature_map, spec.feature_expr)
+        phi, phi_grad = algebra.triton_source(expr), algebra.triton_source(algebra.derivative(expr))
+        feature = "identity" if spec.feature_map == "identity" else "elementwise"
+    else:
+        phi = phi_grad = "x"
+        feature = "favor_plus" if spec.is_linear else "identity"
+    return KernelSpec(
+        name=spec.name, spec_hash=spec.hash, semantics=spec.describe(), attention=spec.attention,
+        forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
+        qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
+        normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
+        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS)
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import forms, planner, reference
+from . import codegen, forms, planner, reference
 from .inputs import Call, check_linear, check_softmax
 from .spec import Spec, load_spec
 
@@ -57,10 +57,13 @@ class Op:
                 raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of "
                                  "these (they are for attention: linear)")
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
-        if backend() == "triton":
-            raise ValueError("ATTNGEN_BACKEND=triton: no generated Triton kernels are available for "
-                             f"{self.spec.name!r} in this build; use auto or torch")
         choice = self.choose(call, form, chunk_size)
+        if _use_kernels(q):
+            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+    def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+        """The PyTorch forms: the plan's stages executed with autograd."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device,
                         reference.random_features(self.spec, call.head_dim, q.device, dtype))
@@ -70,6 +73,95 @@ class Op:
         if not self.spec.is_linear:
             return o
         return o, (out["final_state"].to(dtype) if output_final_state else None)
+
+    def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+        """The generated Triton kernels, through the op registered with torch.library."""
+        module = kernels_for(self)
+        if not self.spec.is_linear:
+            return module.op(q, k, v, g, cu_seqlens, call.scale)
+        omega = reference.random_features(self.spec, call.head_dim, q.device, torch.float32)
+        form, chunk = kernel_form(self.spec, choice, call)
+        o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
+                          bool(output_final_state))
+        return o, (ht if output_final_state else None)
+
+
+def kernel_form(spec: Spec, choice: planner.Choice, call: Call) -> tuple[str, int]:
+    """The kernels serve recurrent, chunked and bidirectional; the parallel form of a causal
+    linear spec runs as one chunk of the chunked kernel (up to the largest chunk)."""
+    if spec.mask == "bidirectional":
+        return "parallel", 1
+    if choice.form == "parallel":
+        return "chunked", min(planner.DEFAULT_CHUNK, max(16, 1 << (call.max_len - 1).bit_length()))
+    if choice.form == "chunked":
+        if choice.chunk not in KERNEL_CHUNKS:
+            raise ValueError(f"chunk_size: the Triton kernels take {', '.join(map(str, KERNEL_CHUNKS))}, "
+                             f"got {choice.chunk}")
+    return choice.form, choice.chunk
+
+
+KERNEL_CHUNKS = (16, 32, 64)
+
+
+def _use_kernels(q: torch.Tensor) -> bool:
+    """auto: kernels on a GPU; triton: kernels always (on the CPU through TRITON_INTERPRET=1)."""
+    mode = backend()
+    if mode == "torch":
+        return False
+    if mode == "triton":
+        if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("ATTNGEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                             "(Triton's interpreter); or use ATTNGEN_BACKEND=torch")
+        return True
+    return q.device.type == "cuda"
+
+
+def kernels_for(op: Op):
+    """The op's generated module, with autograd attached once."""
+    module = codegen.load_module(op.spec)
+    if not getattr(module, "_attngen_autograd", False):
+        _attach_autograd(op, module)
+        module._attngen_autograd = True
+    return module
+
+
+def _attach_autograd(op: Op, module) -> None:
+    """Gradients of the kernel op: recompute the same call through the PyTorch forms and
+    differentiate that (backward kernels replace this per form as they land)."""
+    names = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlens") if op.spec.is_linear \
+        else ("q", "k", "v", "g", "cu_seqlens")
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[: len(names)])
+        ctx.rest = inputs[len(names):]
+
+    def backward(ctx, *grads):
+        saved = dict(zip(names, ctx.saved_tensors))
+        leaves = {n: t.detach().requires_grad_(True) for n, t in saved.items()
+                  if t is not None and t.is_floating_point() and n != "omega"}
+        args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}
+        with torch.enable_grad():
+            if op.spec.is_linear:
+                scale, form, chunk, output_final_state = ctx.rest
+                call = check_linear(op.spec, **args, scale=scale)
+                choice = planner.Choice(form, chunk if form == "chunked" else 1, "recomputed for the backward")
+                o, ht = op._run_torch(call, choice, **args, output_final_state=True)
+                outs, douts = [o], [grads[0]]
+                if output_final_state and grads[1] is not None and grads[1].numel():
+                    outs.append(ht)
+                    douts.append(grads[1])
+            else:
+                (scale,) = ctx.rest
+                call = check_softmax(op.spec, **args, scale=scale)
+                choice = planner.Choice("parallel", 1, "recomputed for the backward")
+                outs = [op._run_torch(call, choice, **args, beta=None, initial_state=None,
+                                      output_final_state=False)]
+                douts = [grads[0]]
+            got = torch.autograd.grad(outs, list(leaves.values()), douts, allow_unused=True)
+        by_name = dict(zip(leaves, got))
+        return (*(by_name.get(n) for n in names), *([None] * len(ctx.rest)))
+
+    torch.library.register_autograd(module.op, backward, setup_context=setup_context)
 
 
 @lru_cache(maxsize=128)
