@@ -1,4 +1,4 @@
-"""attngen's command line: explain, check."""
+"""attngen's command line: explain, check, compile."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import torch
 from . import planner
 from .inputs import check_linear, check_softmax
 from .runtime import load
-from .spec import SpecError
+from .spec import SpecError, load_spec
 from .testing import Shape, compare, random_inputs
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +77,16 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_compile(args) -> int:
+    from . import codegen  # jinja and sympy only when generating
+    for path in args.specs:
+        spec = load_spec(path)
+        out = codegen.compile_to(spec, args.output)
+        forms = ", ".join(f.name for f in planner.plan(spec).forms)
+        print(f"{spec.name}: {out} (hash {spec.hash}; forms {forms})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngen", description="A compiler for attention kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-grad", action="store_true", help="outputs only")
     p.set_defaults(fn=cmd_check)
+
+    p = sub.add_parser("compile", help="generate the Triton module of each spec (generated/<name>.py)")
+    p.add_argument("specs", type=Path, nargs="+")
+    p.add_argument("-o", "--output", type=Path, default=Path("generated"))
+    p.set_defaults(fn=cmd_compile)
 
     args = parser.parse_args(argv)
     try:

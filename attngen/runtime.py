@@ -30,6 +30,19 @@ class Op:
     def __init__(self, spec: Spec):
         self.spec = spec
         self.plan = planner.plan(spec)
+        self._omega: dict = {}
+        # Generated kernels are imported up front where they can run, so a traced call
+        # (torch.compile) finds them ready.
+        self._kernels = kernels_for(self) if _kernels_possible() else None
+
+    def features(self, head_dim: int, device, dtype) -> torch.Tensor | None:
+        """FAVOR+ Omega on a device, cached per (K, device, dtype); None for other maps."""
+        if self.spec.feature_map != "favor_plus":
+            return None
+        key = (head_dim, str(device), dtype)
+        if key not in self._omega:
+            self._omega[key] = reference.random_features(self.spec, head_dim, device, dtype)
+        return self._omega[key]
 
     def __repr__(self) -> str:
         return f"attngen.Op({self.spec.name}: {self.spec.describe()})"
@@ -65,8 +78,7 @@ class Op:
     def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The PyTorch forms: the plan's stages executed with autograd."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device,
-                        reference.random_features(self.spec, call.head_dim, q.device, dtype))
+        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype))
         env = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         out = planner.execute(self.plan.form(choice.form), ctx, env)
         o = out["o"].to(q.dtype)
@@ -76,10 +88,12 @@ class Op:
 
     def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The generated Triton kernels, through the op registered with torch.library."""
-        module = kernels_for(self)
+        if self._kernels is None:
+            self._kernels = kernels_for(self)
+        module = self._kernels
         if not self.spec.is_linear:
             return module.op(q, k, v, g, cu_seqlens, call.scale)
-        omega = reference.random_features(self.spec, call.head_dim, q.device, torch.float32)
+        omega = self.features(call.head_dim, q.device, torch.float32)
         form, chunk = kernel_form(self.spec, choice, call)
         o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
                           bool(output_final_state))
@@ -101,6 +115,11 @@ def kernel_form(spec: Spec, choice: planner.Choice, call: Call) -> tuple[str, in
 
 
 KERNEL_CHUNKS = (16, 32, 64)
+
+
+def _kernels_possible() -> bool:
+    mode = backend()
+    return mode == "triton" or (mode == "auto" and torch.cuda.is_available())
 
 
 def _use_kernels(q: torch.Tensor) -> bool:

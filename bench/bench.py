@@ -1,0 +1,160 @@
+"""Forward (and fwd+bwd) timings of attngen against flash-linear-attention, SDPA and
+FlexAttention on the same inputs, in one process (BENCHMARKS.md method: do_bench median,
+random inputs, outputs checked in the same run).
+
+    python bench/bench.py [--bwd] [--cases gdn,delta,...] [--B 4 --T 8192 --H 16 --D 128]
+
+Prints a table; each row also gives the relative difference between attngen and the baseline
+output and the roofline floor (bytes of q, k, v, o at the measured copy bandwidth).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attngen  # noqa: E402
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+COPY_TBPS = 4.3e12     # measured device-to-device copy, H200 (BENCHMARKS.md)
+
+
+def bench(fn, bwd=False, inputs=()):
+    if not bwd:
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def step():
+        out = fn()
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+        for t in inputs:
+            t.grad = None
+    out = fn()
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
+    return triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm())
+
+
+def make(B, T, H, D, dtype, grad, **extra):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    t = {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D)}
+    t = {n: x.to(dtype) for n, x in t.items()}
+    if "g_scalar" in extra:
+        t["g"] = F.logsigmoid(r(B, T, H) + 3).float()
+    if "g_vector" in extra:
+        t["g"] = F.logsigmoid(r(B, T, H, D) + 3).float()
+    if "g_const" in extra:
+        t["g"] = -torch.linspace(0.01, 0.2, H, device="cuda")
+    if "beta" in extra:
+        t["beta"] = torch.sigmoid(r(B, T, H)).to(dtype)
+    for x in t.values():
+        x.requires_grad_(grad)
+    return t
+
+
+def cases(args):
+    """name -> (attngen spec, input extras, baseline name, baseline fn(inputs) -> o)."""
+    try:
+        import fla.ops as fo  # noqa: F401
+        from fla.ops.delta_rule import chunk_delta_rule
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.gla import chunk_gla
+        from fla.ops.kda import chunk_kda
+        from fla.ops.linear_attn import chunk_linear_attn
+        from fla.ops.simple_gla import chunk_simple_gla
+        have_fla = True
+    except Exception as e:  # noqa: BLE001
+        print(f"fla unavailable: {e}")
+        have_fla = False
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention)
+    B, T, H = args.B, args.T, args.H
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T)
+    window = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 1024), None, None, T, T)
+    to_bhtd = lambda x: x.transpose(1, 2)
+    out = {}
+    if have_fla:
+        out["gdn"] = ("gated_deltanet", ("g_scalar", "beta"), "fla chunk_gated_delta_rule",
+                      lambda t: chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                                       use_qk_l2norm_in_kernel=True)[0])
+        out["delta"] = ("deltanet", ("beta",), "fla chunk_delta_rule",
+                        lambda t: chunk_delta_rule(t["q"], t["k"], t["v"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
+        out["mamba2"] = ("mamba2", ("g_scalar",), "fla chunk_simple_gla",
+                         lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g=t["g"])[0])
+        out["retnet"] = ("retnet", ("g_const",), "fla chunk_simple_gla g_gamma",
+                         lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g_gamma=t["g"])[0])
+        out["gla"] = ("gla", ("g_vector",), "fla chunk_gla",
+                      lambda t: chunk_gla(t["q"], t["k"], t["v"], t["g"])[0])
+        out["kda"] = ("kda", ("g_vector", "beta"), "fla chunk_kda",
+                      lambda t: chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
+        out["linear"] = ({"name": "linear_attention", "attention": "linear"}, (), "fla chunk_linear_attn",
+                         lambda t: chunk_linear_attn(t["q"], t["k"], t["v"], normalize=False)[0])
+        out["linear_elu_sum"] = ("linear_transformer", (), "fla chunk_linear_attn + elu+1 in torch",
+                                 lambda t: chunk_linear_attn(F.elu(t["q"]) + 1, F.elu(t["k"]) + 1, t["v"],
+                                                             normalize=True)[0])
+    out["softmax_causal"] = ("softmax_causal", (), "FlexAttention causal",
+                             lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), block_mask=causal)))
+    out["softmax_causal_sdpa"] = ("softmax_causal", (), "SDPA causal",
+                                  lambda t: to_bhtd(F.scaled_dot_product_attention(
+                                      to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), is_causal=True)))
+    out["sliding_window"] = ("sliding_window", (), "FlexAttention window 1024",
+                             lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), block_mask=window)))
+    del B, H
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--bwd", action="store_true")
+    p.add_argument("--cases", default="")
+    args = p.parse_args()
+    dtype = torch.bfloat16
+    table = cases(args)
+    wanted = [c for c in args.cases.split(",") if c] or list(table)
+    rows = []
+    for name in wanted:
+        spec, extras, base_name, base_fn = table[name]
+        op = attngen.load(SPECS / f"{spec}.yaml" if isinstance(spec, str) else spec)
+        t = make(args.B, args.T, args.H, args.D, dtype, args.bwd, **{e: True for e in extras})
+        ours = (lambda: op(**t)[0]) if op.spec.is_linear else (lambda: op(**t))
+        try:
+            t0 = time.time()
+            o = ours()
+            torch.cuda.synchronize()
+            first = time.time() - t0
+            ref = base_fn(t)
+            diff = rel(o, ref)
+            ms = bench(ours, args.bwd, list(t.values()))
+            base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
+        except Exception as e:  # noqa: BLE001
+            rows.append((name, base_name, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"),
+                         f"{type(e).__name__}: {str(e)[:80]}"))
+            continue
+        nbytes = sum(x.numel() * x.element_size() for x in (t["q"], t["k"], t["v"])) + o.numel() * o.element_size()
+        floor_ms = nbytes / COPY_TBPS * 1e3
+        rows.append((name, base_name, ms, base_ms, ms / base_ms, diff, floor_ms, f"first call {first:.1f}s"))
+    kind = "fwd+bwd" if args.bwd else "fwd"
+    print(f"\nB{args.B} T{args.T} H{args.H} D{args.D} bf16, {kind}, do_bench median (ms)")
+    print(f"{'case':<20s} {'baseline':<40s} {'attngen':>8s} {'base':>8s} {'ratio':>6s} {'rel diff':>9s} {'floor':>6s}  note")
+    for name, base, ms, bms, ratio, diff, floor, note in rows:
+        print(f"{name:<20s} {base:<40s} {ms:8.3f} {bms:8.3f} {ratio:6.2f} {diff:9.2e} {floor:6.3f}  {note}")
+
+
+if __name__ == "__main__":
+    main()
