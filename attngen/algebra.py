@@ -49,8 +49,12 @@ def parse_feature_expr(text: str) -> sp.Expr:
             raise ValueError(f"value {text!r} uses {name!r}, which is not elementwise in x; allowed: {_ALLOWED_TEXT}")
     from sympy.parsing.sympy_parser import parse_expr, standard_transformations
     try:
-        expr = parse_expr(text, local_dict=dict(_ALLOWED_NAMES), global_dict=_parser_globals(),
-                          transformations=standard_transformations, evaluate=True)
+        kwargs = {"global_dict": _parser_globals(), "transformations": standard_transformations}
+        # Check the unevaluated tree first: evaluating 9**9**9 would not finish.
+        _check_constant_powers(parse_expr(text, local_dict=dict(_ALLOWED_NAMES), evaluate=False, **kwargs), text)
+        expr = parse_expr(text, local_dict=dict(_ALLOWED_NAMES), evaluate=True, **kwargs)
+    except _TooLarge as e:
+        raise ValueError(str(e)) from None
     except Exception as e:  # sympy raises many types for malformed text
         raise ValueError(f"value {text!r} does not parse ({type(e).__name__}: {e}); allowed: {_ALLOWED_TEXT}") from None
     if not isinstance(expr, sp.Expr):
@@ -75,10 +79,32 @@ def parse_feature_expr(text: str) -> sp.Expr:
     return expr
 
 
+class _TooLarge(Exception):
+    pass
+
+
+_MAX_CONSTANT_EXPONENT = 1024
+
+
+def _check_constant_powers(tree, text: str) -> None:
+    """Refuse a constant raised to a huge rational power: sympy would compute it exactly."""
+    if not isinstance(tree, sp.Basic):
+        return
+    for node in sp.postorder_traversal(tree):  # inner powers first, so each doit() is cheap
+        if isinstance(node, sp.Pow) and not node.base.free_symbols and not node.exp.free_symbols:
+            e = node.exp.doit()
+            if e.is_Rational and abs(e) > _MAX_CONSTANT_EXPONENT:
+                raise _TooLarge(f"value {text!r} raises a constant to the power {e}, beyond "
+                                f"{_MAX_CONSTANT_EXPONENT}; allowed: {_ALLOWED_TEXT}")
+
+
 @lru_cache(maxsize=1)
 def _parser_globals() -> dict:
-    # What sympy's transformations emit (Integer(2), Float('0.5'), Symbol, ...) and nothing else.
-    return {"Integer": sp.Integer, "Float": sp.Float, "Rational": sp.Rational, "Symbol": sp.Symbol}
+    # What sympy's transformations emit (Integer(2), Float('0.5'), Symbol, ...; with
+    # evaluate=False also the operator classes) and nothing else.
+    return {"Integer": sp.Integer, "Float": sp.Float, "Rational": sp.Rational, "Symbol": sp.Symbol,
+            "Add": sp.Add, "Mul": sp.Mul, "Pow": sp.Pow, "Lt": sp.Lt, "Le": sp.Le, "Gt": sp.Gt,
+            "Ge": sp.Ge, "Eq": sp.Eq, "Ne": sp.Ne}
 
 
 def feature_expr(feature_map: str, feature_expr_text: str | None = None) -> sp.Expr:
@@ -112,13 +138,14 @@ class _ElementwisePrinter(StrPrinter):
         # ends' math functions take tensors, not Python numbers. Integers and rationals keep
         # their own printers (exact text, integer exponents).
         if isinstance(expr, sp.Expr) and expr.is_number and not expr.is_Rational:
+            # Evaluated in float64, not by evalf: exp(exp(exp(exp(100)))) would not finish there.
             try:
-                value = float(expr)
-            except TypeError:
-                raise ValueError(f"{expr} is not a real number and cannot be printed to {self.lib}") from None
-            if not math.isfinite(value):
-                raise ValueError(f"{expr} is not finite and cannot be printed to {self.lib}")
-            return repr(value)
+                value = sp.lambdify((), expr, modules="math")()
+            except (ArithmeticError, ValueError, TypeError, NameError):  # overflow, math domain, no such name
+                value = None
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{expr} is not a finite real number and cannot be printed to {self.lib}")
+            return repr(float(value))
         return super()._print(expr, **kwargs)
 
     def _call(self, fn: str, *args: sp.Expr) -> str:

@@ -20,6 +20,7 @@ import yaml
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
 # torch.Generator.manual_seed takes at most an unsigned 64-bit seed.
 _SEED_MAX = 2**64 - 1
+_MAX_NODES = 10_000
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -147,6 +148,19 @@ def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
     if not isinstance(node, yaml.MappingNode):
         raise SpecError(source, node.start_mark.line + 1, None,
                         "the spec must be a mapping of fields (name: ..., attention: ...)")
+    # Aliases share nodes, so a few anchors can expand to billions of nodes (and to values whose
+    # walk, repr or comparison never ends): bound the expanded size first.
+    stack, size = [node], 0
+    while stack:
+        n = stack.pop()
+        size += 1
+        if size > _MAX_NODES:
+            raise SpecError(source, None, None, f"the spec expands to more than {_MAX_NODES} YAML nodes "
+                                                "(through aliases); a spec is a small mapping of fields")
+        if isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            stack.extend(item for pair in n.value for item in pair)
     lines: dict[str, int] = {}
 
     def walk(mapping: yaml.MappingNode, prefix: str) -> None:
@@ -164,12 +178,23 @@ def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
 
     walk(node, "")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:  # e.g. a tag the safe loader refuses
+        data = yaml.load(text, Loader=_SafeLoader)
+    except yaml.YAMLError as e:  # e.g. a tag the safe loader refuses, the date 2001-13-45
         raise _yaml_error(e, source) from None
-    except (ValueError, OverflowError) as e:  # a value the loader cannot build, e.g. the date 2001-13-45
-        raise SpecError(source, None, None, f"malformed YAML: a value cannot be read ({e})") from None
     return data, _Located(source, lines)
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """SafeLoader whose scalar constructors fail with a located YAMLError: PyYAML's own raise
+    ValueError, KeyError or AttributeError for e.g. `2001-13-45`, `!!bool maybe`."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as e:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read the value {node.value!r} as {node.tag.rsplit(':', 1)[-1]} ({e})",
+                node.start_mark) from None
 
 
 def _yaml_error(e: yaml.YAMLError, source: str) -> SpecError:
@@ -189,7 +214,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _is_finite(x: int | float) -> bool:
+def _is_finite(x: float) -> bool:
     try:
         return math.isfinite(float(x))
     except OverflowError:  # an int too large for a float
@@ -276,7 +301,8 @@ def _validate(data: Any, loc: _Located) -> Spec:
         seed = raw.get("seed", sub["seed"]["default"])
         seed_max = sub["seed"].get("max", _SEED_MAX)
         if not _is_int(seed) or not 0 <= seed <= seed_max:
-            raise loc.error("favor_plus.seed", f"value {seed!r} is not allowed; allowed: an integer from 0 to {seed_max}")
+            raise loc.error("favor_plus.seed", f"value {seed!r} is not allowed; allowed: an integer "
+                                               f"from 0 to {seed_max}")
         favor = FavorPlus(feats, orth, seed)
 
     qk_norm = _choice(loc, data, "qk_norm", fields["qk_norm"]["allowed"]) if linear else "none"
