@@ -58,7 +58,7 @@ FAKE_TL = types.SimpleNamespace(
 
 def run_triton_source(expr: sp.Expr, pts: torch.Tensor) -> torch.Tensor:
     src = triton_source(expr)
-    value = eval(compile(src, "<triton source>", "eval"), {"tl": FAKE_TL, "__builtins__": {}}, {"x": pts})
+    value = eval(compile(src, "<triton source>", "eval"), {"tl": FAKE_TL}, {"x": pts})
     return torch.broadcast_to(_tensor(value), pts.shape).to(torch.float64)
 
 

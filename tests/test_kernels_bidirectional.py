@@ -1,0 +1,140 @@
+"""The bidirectional linear-attention Triton kernel (state pass, then readout pass) against the
+float64 interpreter, through Triton's interpreter on the CPU (DESIGN.md §7): feature maps,
+FAVOR+, l2 norm, the sum normalizer, odd lengths, varlen, initial state; outputs and final
+state fully written. Shapes are small: the interpreter is slow."""
+from __future__ import annotations
+
+import os
+from itertools import pairwise
+
+# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attngen  # noqa: E402
+from attngen import codegen  # noqa: E402
+from attngen.reference import reference  # noqa: E402
+from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch, tmp_path_factory):
+    """Force the generated kernels (only for these tests: other files keep their backend)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+
+
+def _spec(name: str, **fields) -> dict:
+    return {"name": name, "attention": "linear", "mask": "bidirectional", **fields}
+
+
+SPECS = {
+    "identity": _spec("bi_identity"),
+    "linear_transformer": _spec("bi_linear_transformer", feature_map="elu_plus_one", normalize="sum"),
+    "relu": _spec("bi_relu", feature_map="relu"),
+    "performer": _spec("bi_performer", feature_map="favor_plus", normalize="sum",
+                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
+    "l2": _spec("bi_l2", qk_norm="l2"),
+    "expr_map": _spec("bi_expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", normalize="sum",
+                      scale=0.5),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def check(name: str, shape: Shape, dtype=torch.float32, initial_state: bool = True, seed: int = 0,
+          with_grads: bool = False) -> None:
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=with_grads)
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} {dtype} on {shape}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_spec_matches_interpreter(name, dname, initial_state):
+    """Every feature map, with and without an initial state; two token tiles, the last partial."""
+    check(name, Shape(batch=2, q_len=37, heads=2, head_dim=8, value_dim=12), DTYPES[dname], initial_state)
+
+
+@pytest.mark.parametrize("T", [1, 7, 63, 64, 65, 130])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_lengths(name, T):
+    check(name, Shape(batch=1, q_len=T, heads=2, head_dim=8, value_dim=6), seed=T)
+
+
+@pytest.mark.parametrize("K, V", [(20, 5), (8, 70), (72, 40)])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_head_dims(name, K, V):
+    """K not a power of two, K < 16 (padded dot lanes), several value blocks, F > 64."""
+    check(name, Shape(batch=1, q_len=21, heads=1, head_dim=K, value_dim=V), seed=K)
+
+
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_varlen(name, initial_state):
+    """Packed sequences, one of length 1, one past a tile: each its own state and initial state."""
+    shape = Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6, cu_seqlens=(0, 1, 18, 83, 100))
+    check(name, shape, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "performer"])
+def test_varlen_equals_separate_calls(name):
+    op = attngen.load(SPECS[name])
+    cu = (0, 1, 18, 83, 100)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6, cu_seqlens=cu),
+                           dtype=torch.float32)
+    o, ht = op(**inputs, output_final_state=True)
+    args = {n: t for n, t in inputs.items() if n not in ("cu_seqlens", "initial_state")}
+    for n, (s, e) in enumerate(pairwise(cu)):
+        o_n, ht_n = op(**{k: t[:, s:e] for k, t in args.items()}, initial_state=inputs["initial_state"][n:n + 1],
+                       output_final_state=True)
+        assert rel_error(o[:, s:e], o_n) < 1e-6 and rel_error(ht[n:n + 1], ht_n) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "l2"])
+def test_float16(name):
+    check(name, Shape(batch=1, q_len=37, heads=2, head_dim=8, value_dim=6), torch.float16)
+
+
+@pytest.mark.parametrize("name", ["performer", "l2"])
+def test_float64_inputs(name):
+    """float64 inputs run (computed in float32): float32-level agreement with the oracle."""
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=37, heads=1, head_dim=8, value_dim=6))
+    o, ht = op(**inputs, output_final_state=True)
+    ref_o, ref_ht = reference(op.spec, **inputs, output_final_state=True)
+    assert o.dtype == torch.float64 and ht.dtype == torch.float32
+    assert rel_error(o, ref_o) < 1e-5 and rel_error(ht, ref_ht) < 1e-5
+
+
+def test_gradients_through_the_op():
+    """The op keeps the signature the runtime's autograd wraps (backward: the PyTorch form)."""
+    check("linear_transformer", Shape(batch=1, q_len=20, heads=2, head_dim=8, value_dim=6), with_grads=True)
+
+
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_outputs_fully_written(name, initial_state, monkeypatch):
+    """Outputs allocated NaN-filled (as torch.empty's garbage may be): the kernel writes all of o
+    and of the final state (the normalizer column too), across value blocks and varlen."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    real_empty_like, real_new_empty = torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(module.torch, "empty_like", lambda t, **kw: poison(real_empty_like(t, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+    shape = Shape(batch=1, q_len=41, heads=2, head_dim=24, value_dim=70, cu_seqlens=(0, 1, 23, 41))
+    inputs = random_inputs(op.spec, shape, dtype=torch.float32, initial_state=initial_state)
+    assert torch.isnan(torch.empty_like(inputs["v"])).all()
+    o, ht = op(**inputs, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    ref_o, ref_ht = reference(op.spec, **inputs, output_final_state=True)
+    assert rel_error(o, ref_o) < 1e-5 and rel_error(ht, ref_ht) < 1e-5

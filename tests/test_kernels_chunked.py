@@ -1,0 +1,154 @@
+"""The chunked Triton kernel (and the parallel form, which runs as one chunk of it) against the
+float64 interpreter: outputs and final states, through Triton's interpreter on the CPU
+(DESIGN.md §7). Shapes are small: the interpreter is slow."""
+from __future__ import annotations
+
+import os
+
+# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attngen  # noqa: E402
+from attngen import codegen  # noqa: E402
+from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+from attngen.reference import reference  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch, tmp_path_factory):
+    """Force the generated kernels (only for these tests: other files keep their backend)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+
+
+def _spec(name: str, **fields) -> dict:
+    return {"name": name, "attention": "linear", "mask": "causal", **fields}
+
+
+# The shipped causal linear specs (performer with 16 features: the interpreter is slow) and an
+# expression feature map.
+SPECS = {
+    "linear_transformer": _spec("linear_transformer", feature_map="elu_plus_one", normalize="sum"),
+    "performer": _spec("performer", feature_map="favor_plus", normalize="sum",
+                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
+    "deltanet": _spec("deltanet", qk_norm="l2", update="delta"),
+    "gated_deltanet": _spec("gated_deltanet", qk_norm="l2", update="delta", decay="scalar"),
+    "mamba2": _spec("mamba2", decay="scalar"),
+    "retnet": _spec("retnet", decay="constant"),
+    "gla": _spec("gla", decay="vector"),
+    "kda": _spec("kda", qk_norm="l2", update="delta", decay="vector"),
+    "expr_map": _spec("expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", decay="scalar",
+                      normalize="sum", scale=0.5),
+}
+DECAYED = ("gated_deltanet", "mamba2", "retnet", "gla", "kda")
+
+
+def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", chunk: int | None = 16,
+          initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
+    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)  # noqa: E731
+    rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_spec_matches_interpreter(name, dtype):
+    """Every spec, several chunks with a partial last one, K != V."""
+    check(name, Shape(batch=2, q_len=37, heads=2, head_dim=8, value_dim=12), dtype)
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (7, 32), (63, 64), (100, 16), (100, 32)])
+@pytest.mark.parametrize("name", ["linear_transformer", "gated_deltanet", "gla"])
+def test_lengths_and_chunk_sizes(name, T, chunk):
+    check(name, Shape(batch=1, q_len=T, heads=2, head_dim=8, value_dim=6), chunk=chunk, seed=T)
+
+
+@pytest.mark.parametrize("T", [7, 40, 64])
+@pytest.mark.parametrize("name", ["performer", "kda", "retnet"])
+def test_parallel_form(name, T):
+    """The parallel form runs as one chunk of 16, 32 or 64 tokens spanning the sequence."""
+    check(name, Shape(batch=2, q_len=T, heads=1, head_dim=8, value_dim=6), form="parallel", chunk=None, seed=T)
+
+
+@pytest.mark.parametrize("K, V", [(20, 5), (8, 12), (72, 40)])
+@pytest.mark.parametrize("name", ["linear_transformer", "kda", "mamba2"])
+def test_head_dims(name, K, V):
+    """K not a power of two, K < 16 (padded dot lanes), and F > 64 (two value blocks of 32)."""
+    check(name, Shape(batch=1, q_len=21, heads=1, head_dim=K, value_dim=V), chunk=16, seed=K)
+
+
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("name", ["linear_transformer", "performer", "gated_deltanet", "gla", "kda", "retnet"])
+def test_varlen(name, initial_state):
+    """Packed sequences, one of length 1, each its own chunks and initial state."""
+    shape = Shape(batch=1, q_len=57, heads=2, head_dim=8, value_dim=6, cu_seqlens=(0, 1, 18, 50, 57))
+    check(name, shape, chunk=16, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("name", DECAYED)
+def test_strong_decay(name):
+    """g down to about -20 per token: finite, and still as accurate (float64 cumulative decays)."""
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6), decay_strength=20)
+    if SPECS[name]["decay"] != "constant":  # two per-head constants: strong, but not below -20
+        assert float(inputs["g"].min()) < -20
+    o, ht = op(**{n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()},
+               output_final_state=True, form="chunked", chunk_size=64)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    check(name, Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6), chunk=64, decay_strength=20)
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "gated_deltanet", "kda"])
+def test_float16(name):
+    check(name, Shape(batch=1, q_len=37, heads=2, head_dim=8, value_dim=6), torch.float16, chunk=32)
+
+
+@pytest.mark.parametrize("name", ["performer", "gated_deltanet"])
+def test_float64_inputs(name):
+    """float64 inputs run (computed in float32): float32-level agreement with the oracle."""
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=37, heads=1, head_dim=8, value_dim=6))
+    o, ht = op(**inputs, output_final_state=True, form="chunked", chunk_size=16)
+    ref_o, ref_ht = reference(op.spec, **inputs, output_final_state=True)
+    assert o.dtype == torch.float64 and ht.dtype == torch.float32
+    assert rel_error(o, ref_o) < 1e-5 and rel_error(ht, ref_ht) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "kda"])
+def test_every_output_element_written(name, monkeypatch):
+    """Outputs allocated NaN-filled (as torch.empty's garbage may be): the kernel writes all of
+    o and of the final state, across value blocks, varlen and a partial last chunk."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    def poisoned(alloc):
+        def wrapper(*args, **kwargs):
+            out = alloc(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+        return wrapper
+
+    monkeypatch.setattr(module.torch, "empty_like", poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+    shape = Shape(batch=1, q_len=41, heads=2, head_dim=72, value_dim=40, cu_seqlens=(0, 1, 23, 41))
+    inputs = random_inputs(op.spec, shape)
+    inputs = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    assert torch.isnan(torch.empty_like(inputs["v"])).all()
+    o, ht = op(**inputs, output_final_state=True, form="chunked", chunk_size=16)
+    assert not torch.isnan(o).any() and not torch.isnan(ht).any()
+    ref_o, ref_ht = reference(op.spec, **inputs, output_final_state=True)
+    assert rel_error(o, ref_o) < 1e-5 and rel_error(ht, ref_ht) < 1e-5
+
+
+def test_chunk_size_checked():
+    op = attngen.load(SPECS["mamba2"])
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=8, heads=1, head_dim=8, value_dim=6))
+    with pytest.raises(ValueError, match="chunk"):
+        module.chunked_fwd(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), inputs["g"], None,
+                           None, None, None, 1.0, 8, False)
