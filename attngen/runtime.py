@@ -92,7 +92,7 @@ class Op:
             self._kernels = kernels_for(self)
         module = self._kernels
         if not self.spec.is_linear:
-            return module.op(q, k, v, g, cu_seqlens, call.scale)
+            return module.op(q, k, v, g, cu_seqlens, call.scale)[0]
         omega = self.features(call.head_dim, q.device, torch.float32)
         form, chunk = kernel_form(self.spec, choice, call)
         o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
@@ -145,17 +145,27 @@ def kernels_for(op: Op):
 
 
 def _attach_autograd(op: Op, module) -> None:
-    """Gradients of the kernel op: recompute the same call through the PyTorch forms and
-    differentiate that (backward kernels replace this per form as they land)."""
+    """Gradients of the kernel op: the generated backward kernels where the module has them
+    for the call's form (module.BACKWARD_FORMS, module.backward), else the same call
+    recomputed through the PyTorch forms and differentiated there."""
     names = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlens") if op.spec.is_linear \
         else ("q", "k", "v", "g", "cu_seqlens")
+    kernel_forms = getattr(module, "BACKWARD_FORMS", ())
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[: len(names)])
+        ctx.save_for_backward(*inputs[: len(names)], *output)
         ctx.rest = inputs[len(names):]
 
     def backward(ctx, *grads):
-        saved = dict(zip(names, ctx.saved_tensors))
+        if any(gr is not None and gr.requires_grad for gr in grads):
+            raise RuntimeError(f"attngen op {op.spec.name!r}: double backward (create_graph=True) is not "
+                               "supported by the kernels; use ATTNGEN_BACKEND=torch for higher-order gradients")
+        saved_inputs, outputs = ctx.saved_tensors[: len(names)], ctx.saved_tensors[len(names):]
+        form = ctx.rest[1] if op.spec.is_linear else "parallel"
+        if form in kernel_forms:
+            got = module.backward(*saved_inputs, *ctx.rest, *outputs, *grads)
+            return (*got, *([None] * len(ctx.rest)))
+        saved = dict(zip(names, saved_inputs))
         leaves = {n: t.detach().requires_grad_(True) for n, t in saved.items()
                   if t is not None and t.is_floating_point() and n != "omega"}
         args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}

@@ -114,6 +114,13 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
     )
     return o, ht
+# ---------------------------------------------------------------------------- recurrent backward
+# (not yet generated: the runtime differentiates the PyTorch recurrent form instead)
+RECURRENT_BACKWARD = ()
+
+
+def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
+    raise NotImplementedError("recurrent backward kernel")
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
 # program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
@@ -282,6 +289,13 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         num_warps=2 if chunk == 64 else 4,
     )
     return o, ht
+# ---------------------------------------------------------------------------- chunked backward
+# (not yet generated: the runtime differentiates the PyTorch chunked form instead)
+CHUNKED_BACKWARD = ()
+
+
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht):
+    raise NotImplementedError("chunked backward kernel")
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
@@ -315,3 +329,18 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(v), ht
+
+
+# ---------------------------------------------------------------------------- the backward
+# Forms whose gradients the kernels compute; the runtime recomputes the others through the
+# PyTorch forms.
+BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
+
+
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
+    """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
+    (None for omega and cu_seqlens, and for inputs that were None)."""
+    dht = dht if output_final_state and dht is not None and dht.numel() else None
+    if form == "recurrent":
+        return recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    return chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)

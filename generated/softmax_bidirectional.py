@@ -194,27 +194,44 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale):
         num_warps=4 if max(BK, BV) <= 64 else 8, num_stages=2,
     )
     return o, lse
+# ---------------------------------------------------------------------------- softmax backward
+# (not yet generated: the runtime differentiates the PyTorch form instead)
+SOFTMAX_BACKWARD = ()
+
+
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do):
+    raise NotImplementedError("softmax backward kernel")
 
 # ---------------------------------------------------------------------------- the op
-# Kernel form: parallel (the FlashAttention-2 forward above; its lse waits for a backward kernel).
+# Kernel form: parallel (the FlashAttention-2 forward above). The op returns the output and
+# the log-sum-exp of each query's scores, which a backward reuses.
 
 def forward(q, k, v, g, cu_seqlens, scale):
-    """Run the forward kernel. Returns o [B, Tq, H, V]."""
+    """Run the forward kernel. Returns o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
-    o, _ = softmax_fwd(q, k, v, g, cu_seqlens, scale)
-    return o
+    return softmax_fwd(q, k, v, g, cu_seqlens, scale)
 
 
 @torch.library.custom_op("attngen::softmax_bidirectional_036a90a8a89426e7", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     return forward(q, k, v, g, cu_seqlens, scale)
 
 
 @op.register_fake
 def _(q, k, v, g, cu_seqlens, scale):
     B, Tq, H, _ = q.shape
-    return v.new_empty(B, Tq, H, v.shape[-1])
+    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
+    return v.new_empty(B, Tq, H, v.shape[-1]), lse
+
+
+# ---------------------------------------------------------------------------- the backward
+BACKWARD_FORMS = SOFTMAX_BACKWARD
+
+
+def backward(q, k, v, g, cu_seqlens, scale, o, lse, do, dlse):
+    """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order."""
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do)
