@@ -1,0 +1,90 @@
+"""Numerics at length and at extreme decays, in float32 (DESIGN.md §7): long sequences through
+the chunked form (and the parallel form at T = 512) with strong decays (log decay down to
+-20 per token: cumulative log decays near -640 inside a 64-token chunk and -4e4 over the
+sequence, so any exp(-cumsum) overflows) and with no decay at all (g = 0: the state only
+grows). Results must be finite and within float32 tolerance of the float64 interpreter.
+
+The interpreter is a token loop; it runs once per case (float64 oracle plus the float32 run
+that sets the tolerance) and every form variant of that case is held to it.
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+import attngen
+from attngen.reference import reference
+from attngen.testing import Shape, outputs_and_grads, random_inputs, rel_error, tolerance
+
+SPECS = {
+    "mamba2": "specs/mamba2.yaml",            # additive, scalar decay
+    "gla": "specs/gla.yaml",                  # additive, vector decay
+    "gated_deltanet": "specs/gated_deltanet.yaml",  # delta, scalar decay
+    "kda": "specs/kda.yaml",                  # delta, vector decay
+}
+DECAYS = ("strong", "zero")
+
+
+def make_inputs(name: str, decay: str, T: int) -> dict:
+    op = attngen.load(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=T, heads=1, head_dim=16, value_dim=16), seed=17)
+    gen = torch.Generator().manual_seed(23)
+    g = inputs["g"]
+    strong = -20.0 * torch.rand(g.shape, generator=gen, dtype=g.dtype)
+    inputs["g"] = strong if decay == "strong" else torch.zeros_like(g)
+    return inputs
+
+
+@cache
+def oracle(name: str, decay: str, T: int, with_grads: bool) -> tuple[dict, dict, dict]:
+    """(inputs, float64 interpreter results, float32 interpreter results), computed once."""
+    spec = attngen.load(SPECS[name]).spec
+    inputs = make_inputs(name, decay, T)
+    ref = outputs_and_grads(lambda **kw: reference(spec, **kw), spec, inputs, with_grads)
+    low_inputs = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    low = outputs_and_grads(lambda **kw: reference(spec, **kw, dtype=torch.float32), spec, low_inputs, with_grads)
+    return inputs, ref, low
+
+
+def check(name: str, decay: str, T: int, variants, with_grads: bool = False) -> None:
+    op = attngen.load(SPECS[name])
+    inputs, ref, low = oracle(name, decay, T, with_grads)
+    run_inputs = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    for r in ref.values():
+        assert torch.isfinite(r).all(), "the float64 interpreter itself is not finite"
+    failures = []
+    for form, chunk in variants:
+        def fn(form=form, chunk=chunk, **kw):
+            return op(**kw, form=form, chunk_size=chunk)
+        got = outputs_and_grads(fn, op.spec, run_inputs, with_grads)
+        assert got["o"].dtype == torch.float32 and got["final_state"].dtype == torch.float32
+        for key, want in ref.items():
+            if not torch.isfinite(got[key]).all():
+                failures.append(f"{form}(chunk={chunk}) {key}: not finite")
+                continue
+            err, tol = rel_error(got[key], want), tolerance(torch.float32, rel_error(low[key], want))
+            if not err <= tol:
+                failures.append(f"{form}(chunk={chunk}) {key}: error {err:.3g} > tolerance {tol:.3g}")
+    assert not failures, f"{name}, {decay} decay, T = {T}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("name", SPECS)
+def test_long_sequence_chunked_float32(name, decay):
+    check(name, decay, 4096, [("chunked", c) for c in (16, 32, 64)])
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("name", SPECS)
+def test_parallel_at_512_float32(name, decay):
+    check(name, decay, 512, [("parallel", None), ("chunked", 64)])
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("name", SPECS)
+def test_gradients_at_extreme_decays_float32(name, decay):
+    """Backward through the same extremes, on a shorter sequence (the interpreter's autograd
+    is a token loop): three chunks of 64, the last one padded."""
+    check(name, decay, 150, [("chunked", 64), ("chunked", 16), ("parallel", None)], with_grads=True)

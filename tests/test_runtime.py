@@ -1,0 +1,313 @@
+"""The runtime contract (DESIGN.md §2): bad input raises ValueError naming the argument,
+load caching, FAVOR+ random features, ATTNGEN_BACKEND, low-precision dtypes."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attngen
+from attngen.testing import Shape, compare, random_inputs
+
+B, T, H, K, V = 2, 10, 3, 4, 5
+SHAPE = Shape(batch=B, q_len=T, heads=H, head_dim=K, value_dim=V)
+
+
+def op_and_inputs(name: str, shape: Shape = SHAPE, **kw):
+    op = attngen.load(f"specs/{name}.yaml")
+    return op, random_inputs(op.spec, shape, seed=0, **kw)
+
+
+def raises_naming(arg: str, *also: str):
+    """pytest.raises(ValueError) whose message is "<arguments>: ..." with `arg` among the
+    arguments, and holds each of `also`."""
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(ValueError)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            handled = self.ctx.__exit__(*exc)
+            msg = str(self.info.value)
+            named = re.split(r",\s*", msg.split(":", 1)[0])
+            assert arg in named, f"message does not name {arg!r}: {msg}"
+            for text in also:
+                assert text in msg, f"message lacks {text!r}: {msg}"
+            return handled
+    return _Check()
+
+
+# --------------------------------------------------------------------------- bad input
+
+def drop(name):
+    return lambda a: {n: t for n, t in a.items() if n != name}
+
+
+def put(name, fn):
+    return lambda a: {**a, name: fn(a)}
+
+
+BAD_LINEAR = [
+    # (id, spec, edit of the valid inputs, argument named, text the message must also hold)
+    ("q_rank", "gated_deltanet", put("q", lambda a: a["q"][0]), "q", "[B, T, H, K]"),
+    ("k_rank", "gated_deltanet", put("k", lambda a: a["k"][..., None]), "k", "[B, T, H, K]"),
+    ("v_rank", "gated_deltanet", put("v", lambda a: a["v"].flatten(2)), "v", "[B, T, H, V]"),
+    ("q_not_tensor", "gated_deltanet", put("q", lambda a: a["q"].tolist()), "q", "tensor"),
+    ("q_int_dtype", "mamba2", put("q", lambda a: a["q"].long()), "q", "floating"),
+    ("k_shape", "gated_deltanet", put("k", lambda a: a["k"][:, :-1]), "k", "[B, T, H, K]"),
+    ("k_head_dim", "mamba2", put("k", lambda a: a["k"][..., :-1]), "k", "[B, T, H, K]"),
+    ("v_time", "gated_deltanet", put("v", lambda a: a["v"][:, 1:]), "v", "[B, T, H, V]"),
+    ("v_heads", "mamba2", put("v", lambda a: a["v"][:, :, :1]), "v", "[B, T, H, V]"),
+    ("k_dtype", "gated_deltanet", put("k", lambda a: a["k"].float()), "k", "dtype"),
+    ("v_dtype", "mamba2", put("v", lambda a: a["v"].half()), "v", "dtype"),
+    ("g_missing_scalar", "gated_deltanet", drop("g"), "g", "[B, T, H]"),
+    ("g_missing_vector", "gla", drop("g"), "g", "[B, T, H, K]"),
+    ("g_missing_constant", "retnet", drop("g"), "g", "[H]"),
+    ("g_for_decay_none", "deltanet", put("g", lambda a: torch.zeros(B, T, H, dtype=torch.float64)), "g", "none"),
+    ("g_rank_scalar", "mamba2", put("g", lambda a: a["g"][..., None]), "g", "[B, T, H]"),
+    ("g_shape_vector", "gla", put("g", lambda a: a["g"][..., :-1]), "g", "[B, T, H, K]"),
+    ("g_shape_constant", "retnet", put("g", lambda a: a["g"][:-1]), "g", "[H]"),
+    ("beta_missing", "deltanet", drop("beta"), "beta", "[B, T, H]"),
+    ("beta_for_additive", "mamba2", put("beta", lambda a: torch.ones(B, T, H, dtype=torch.float64)), "beta",
+     "additive"),
+    ("beta_shape", "kda", put("beta", lambda a: a["beta"][:, :-1]), "beta", "[B, T, H]"),
+    ("initial_state_shape", "gated_deltanet", put("initial_state", lambda a: a["initial_state"][..., :-1]),
+     "initial_state", "[N, H, F, V]"),
+    ("initial_state_rank", "gla", put("initial_state", lambda a: a["initial_state"][0]), "initial_state",
+     "[N, H, F, V]"),
+    ("initial_state_batch", "mamba2", put("initial_state", lambda a: a["initial_state"][:1]), "initial_state",
+     "[N, H, F, V]"),
+    ("initial_state_sum_without_z", "linear_transformer",
+     put("initial_state", lambda a: a["initial_state"][..., :-1]), "initial_state", "V + 1"),
+    ("initial_state_features", "performer", put("initial_state", lambda a: a["initial_state"][:, :, :K]),
+     "initial_state", "[N, H, F, V]"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_LINEAR, ids=[c[0] for c in BAD_LINEAR])
+def test_bad_linear_input_names_the_argument(case):
+    _, name, edit, arg, text = case
+    op, inputs = op_and_inputs(name)
+    op(**inputs)  # the unedited call is valid
+    with raises_naming(arg, text):
+        op(**edit(inputs))
+
+
+PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=K, value_dim=V, cu_seqlens=(0, 5, 6, 12))
+BAD_CU = [
+    ("non_monotone", lambda a: torch.tensor([0, 6, 5, 12]), "cu_seqlens", "increasing"),
+    ("repeated_offset", lambda a: torch.tensor([0, 5, 5, 12]), "cu_seqlens", "increasing"),
+    ("short_of_T", lambda a: torch.tensor([0, 5, 11]), "cu_seqlens", "T = 12"),
+    ("past_T", lambda a: torch.tensor([0, 5, 13]), "cu_seqlens", "T = 12"),
+    ("not_from_zero", lambda a: torch.tensor([1, 5, 12]), "cu_seqlens", "start at 0"),
+    ("float", lambda a: torch.tensor([0.0, 5.0, 12.0]), "cu_seqlens", "integer"),
+    ("two_dims", lambda a: torch.tensor([[0, 5, 12]]), "cu_seqlens", "1-D"),
+    ("one_entry", lambda a: torch.tensor([0]), "cu_seqlens", "2 entries"),
+]
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+@pytest.mark.parametrize("case", BAD_CU, ids=[c[0] for c in BAD_CU])
+def test_bad_cu_seqlens(name, case):
+    _, make, arg, text = case
+    op = attngen.load(f"specs/{name}.yaml")
+    inputs = random_inputs(op.spec, PACKED, seed=0, initial_state=False)
+    op(**inputs)
+    with raises_naming(arg, text):
+        op(**{**inputs, "cu_seqlens": make(inputs)})
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+def test_cu_seqlens_with_batch_two(name):
+    op, inputs = op_and_inputs(name, initial_state=False)
+    with raises_naming("cu_seqlens", "batch size 1"):
+        op(**inputs, cu_seqlens=torch.tensor([0, 4, T]))
+
+
+def test_initial_state_per_packed_sequence():
+    """With cu_seqlens, N is the number of sequences, not the batch."""
+    op = attngen.load("specs/gated_deltanet.yaml")
+    inputs = random_inputs(op.spec, PACKED, seed=0)
+    op(**inputs)
+    with raises_naming("initial_state", "[N, H, F, V]"):
+        op(**{**inputs, "initial_state": inputs["initial_state"][:2]})
+
+
+def test_softmax_more_queries_than_keys():
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=B, q_len=8, heads=H, head_dim=K, value_dim=V, k_len=8))
+    with raises_naming("q", "Tq <= Tk"):
+        op(**{**inputs, "k": inputs["k"][:, :5], "v": inputs["v"][:, :5]})
+
+
+def test_softmax_packed_needs_equal_lengths():
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=1, q_len=6, heads=H, head_dim=K, value_dim=V, k_len=9))
+    with raises_naming("cu_seqlens", "Tq == Tk"):
+        op(**inputs, cu_seqlens=torch.tensor([0, 4, 9]))
+
+
+@pytest.mark.parametrize("arg,value", [("beta", "ones"), ("initial_state", "zeros"), ("output_final_state", True)])
+def test_softmax_rejects_linear_arguments(arg, value):
+    op, inputs = op_and_inputs("forgetting_attention")
+    extra = {"ones": torch.ones(B, T, H, dtype=torch.float64), "zeros": torch.zeros(B, H, K, V)}.get(value, value)
+    with raises_naming(arg):
+        op(**inputs, **{arg: extra})
+
+
+@pytest.mark.parametrize("name", ["forgetting_attention", "softmax_causal"])
+def test_softmax_g_presence(name):
+    op, inputs = op_and_inputs(name)
+    if op.spec.decay == "scalar":
+        with raises_naming("g", "[B, Tk, H]"):
+            op(**drop("g")(inputs))
+        with raises_naming("g", "[B, Tk, H]"):
+            op(**{**inputs, "g": inputs["g"][:, 1:]})
+    else:
+        with raises_naming("g", "none"):
+            op(**inputs, g=torch.zeros(B, T, H, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+@pytest.mark.parametrize("scale", [0, -1, 0.0, -0.5, float("inf"), float("nan"), "a", True, "auto"])
+def test_bad_scale(name, scale):
+    op, inputs = op_and_inputs(name)
+    with raises_naming("scale"):
+        op(**inputs, scale=scale)
+
+
+def test_good_scale_is_used():
+    op, inputs = op_and_inputs("softmax_causal")
+    assert not torch.equal(op(**inputs, scale=0.5), op(**inputs, scale=2))
+    assert torch.equal(op(**inputs, scale=K ** -0.5), op(**inputs))
+
+
+@pytest.mark.parametrize("name,form", [("gated_deltanet", "nonsense"), ("gated_deltanet", "Chunked"),
+                                       ("softmax_causal", "recurrent"), ("linear_bidirectional", "chunked")])
+def test_bad_form(name, form):
+    op, inputs = op_and_inputs(name)
+    with raises_naming("form", form):
+        op(**inputs, form=form)
+
+
+@pytest.mark.parametrize("chunk", [3, 0, 512, -16, 2.0, True])
+def test_bad_chunk_size(chunk):
+    op, inputs = op_and_inputs("gated_deltanet")
+    with raises_naming("chunk_size"):
+        op(**inputs, form="chunked", chunk_size=chunk)
+
+
+def _devices():
+    """A second device for mismatch checks: meta always exists (the checks never compute)."""
+    out = ["meta"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    return out
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("arg", ["k", "v", "g", "beta", "initial_state", "cu_seqlens"])
+def test_device_mismatch(arg, device):
+    op = attngen.load("specs/gated_deltanet.yaml")
+    inputs = random_inputs(op.spec, PACKED, seed=0)
+    op(**inputs)
+    with raises_naming(arg, "device"):
+        op(**{**inputs, arg: inputs[arg].to(device)})
+
+
+# --------------------------------------------------------------------------- load, features, backend
+
+def test_load_is_cached():
+    spec = {"name": "cached", "attention": "linear", "update": "delta", "qk_norm": "l2", "decay": "scalar"}
+    op = attngen.load(spec)
+    assert attngen.load(spec) is op
+    assert attngen.load(dict(spec)) is op
+    assert attngen.load(attngen.load_spec(spec)) is op
+    assert attngen.load({**spec, "decay": "vector"}) is not op
+    from_file = attngen.load("specs/gated_deltanet.yaml")
+    assert attngen.load("specs/gated_deltanet.yaml") is from_file
+    assert attngen.load(from_file.spec.to_dict()) is from_file
+
+
+FAVOR = {"name": "favor", "attention": "linear", "feature_map": "favor_plus",
+         "favor_plus": {"features": 24, "orthogonal": True, "seed": 7}, "normalize": "sum"}
+
+
+@pytest.mark.parametrize("orthogonal", [True, False])
+@pytest.mark.parametrize("head_dim", [1, 5, 16, 40])
+def test_random_features_shape_and_determinism(orthogonal, head_dim):
+    spec = {**FAVOR, "favor_plus": {**FAVOR["favor_plus"], "orthogonal": orthogonal}}
+    omega = attngen.load(spec).random_features(head_dim)
+    assert omega.shape == (24, head_dim) and omega.dtype == torch.float64 and omega.device.type == "cpu"
+    assert torch.isfinite(omega).all()
+    assert torch.equal(attngen.load(spec).random_features(head_dim), omega)
+    # A new op of an equal spec (not the cached one) draws the same features.
+    assert torch.equal(attngen.Op(attngen.load_spec(spec)).random_features(head_dim), omega)
+    other = {**spec, "favor_plus": {**spec["favor_plus"], "seed": 8}}
+    assert not torch.equal(attngen.load(other).random_features(head_dim), omega)
+
+
+def test_random_features_identical_in_another_process():
+    omega = attngen.load("specs/performer.yaml").random_features(16)
+    code = ("import attngen, torch; o = attngen.load('specs/performer.yaml').random_features(16);"
+            "print(repr(o.flatten().tolist()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert torch.equal(torch.tensor(eval(out.stdout), dtype=torch.float64).reshape(64, 16), omega)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "linear_transformer", "softmax_causal"])
+def test_random_features_of_non_favor_spec(name):
+    with raises_naming("random_features", "favor_plus"):
+        attngen.load(f"specs/{name}.yaml").random_features(K)
+
+
+@pytest.mark.parametrize("head_dim", [0, -3, 2.0, True])
+def test_random_features_bad_head_dim(head_dim):
+    with raises_naming("head_dim"):
+        attngen.load("specs/performer.yaml").random_features(head_dim)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+def test_backend_env_nonsense(monkeypatch, name):
+    op, inputs = op_and_inputs(name)
+    monkeypatch.setenv("ATTNGEN_BACKEND", "nonsense")
+    with raises_naming("ATTNGEN_BACKEND", "nonsense"):
+        op(**inputs)
+
+
+@pytest.mark.parametrize("value", ["auto", "torch"])
+def test_backend_env_torch_and_auto_run(monkeypatch, value):
+    op, inputs = op_and_inputs("gated_deltanet")
+    want, _ = op(**inputs)
+    monkeypatch.setenv("ATTNGEN_BACKEND", value)
+    got, _ = op(**inputs)
+    assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- dtypes
+
+LOWP_SPECS = ["gated_deltanet", "gla", "linear_transformer", "performer", "retnet", "softmax_causal",
+              "forgetting_attention", "sliding_window"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", LOWP_SPECS)
+def test_low_precision_dtypes(name, dtype):
+    """Outputs come back in the inputs' dtype, final states in float32, within tolerance of
+    the float64 interpreter (relative to the interpreter run in that dtype)."""
+    op = attngen.load(f"specs/{name}.yaml")
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=40, heads=2, head_dim=8, value_dim=6), seed=2)
+    low = {n: (t.to(dtype) if n in ("q", "k", "v") else t.float() if t.is_floating_point() else t)
+           for n, t in inputs.items()}
+    for form in [f.name for f in op.plan.forms]:
+        if op.spec.is_linear:
+            o, s = op(**low, output_final_state=True, form=form)
+            assert s.dtype == torch.float32 and torch.isfinite(s).all()
+            assert op(**low, form=form)[1] is None
+        else:
+            o = op(**low, form=form)
+        assert o.dtype == dtype and o.shape == (2, 40, 2, 6) and torch.isfinite(o).all()
+    bad = [r for r in compare(op.spec, op, inputs, dtype) if not r[1] <= r[2]]
+    assert not bad, bad
