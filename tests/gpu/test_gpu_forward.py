@@ -61,3 +61,29 @@ def test_forward_matches_oracle(path, dname, T, d):
     if s is not None:
         err, tol = rel_error(s, ref_s), tolerance(dtype, rel_error(lp_s, ref_s))
         assert err <= tol, f"final state: rel err {err:.2e} > tol {tol:.2e}"
+
+
+VARLEN = (0, 1, 700, 1500, 1531)
+
+
+@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+def test_varlen_and_initial_state(path, dname):
+    op = attngen.load(path)
+    spec, dtype = op.spec, DTYPES[dname]
+    shape = Shape(batch=1, q_len=VARLEN[-1], heads=2, head_dim=64, value_dim=48, cu_seqlens=VARLEN)
+    inputs = {n: t.cuda() for n, t in random_inputs(spec, shape, seed=5).items()}
+    rows = compare(spec, lambda **kw: op(**kw), inputs, dtype, with_grads=False)
+    bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention"])
+@pytest.mark.parametrize("tq", [1, 100])
+def test_softmax_fewer_queries_than_keys(name, tq):
+    op = attngen.load(ROOT / "specs" / f"{name}.yaml")
+    shape = Shape(batch=2, q_len=tq, heads=2, head_dim=128, value_dim=128, k_len=3000)
+    inputs = {n: t.cuda() for n, t in random_inputs(op.spec, shape, seed=tq).items()}
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.bfloat16, with_grads=False)
+    bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
+    assert not bad, "; ".join(bad)
