@@ -198,12 +198,381 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale):
     )
     return o, lse
 # ---------------------------------------------------------------------------- softmax backward
-# (not yet generated: the runtime differentiates the PyTorch form instead)
-SOFTMAX_BACKWARD = ()
+# FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
+#   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) per query, and the forward's lse
+#      in log2 units, into O(T) buffers.
+#   2. softmax_bwd_dq_kernel: one program per (query block, sequence x head) streams the key
+#      tiles the mask lets it see (the forward's loop bounds) and accumulates dq.
+#   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x head) streams the query
+#      tiles that can see its keys and accumulates dk and dv.
+# Both recompute P = exp2(s - lse) from q, k and the forward's lse (no T x T buffer) and form
+# dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores.
+# Tile skipping mirrors the forward (causal): tiles no pair of which is allowed are never
+# loaded, tiles allowed in full run unmasked, tiles on a mask edge are masked elementwise.
+# Padding queries (past a sequence's end) read lse = +inf, so their P is exactly 0 and they add
+# nothing to dk, dv; padding keys are masked in the dq loop and never stored by the dkdv program.
+# Transposed operands are loaded transposed from memory, or tl.trans'd as loaded values: never a
+# tl.trans of a tl.dot result feeding another tl.dot (miscompiled on Hopper by Triton 3.4-3.7).
+# float64 inputs: the forward's lse is float32, too coarse for float64 gradients. The dq program
+# sees whole rows, so it also sums c = rowsum(exp2(s - lse2)) (1 up to that rounding), divides
+# its row results by c, and stores lse2 + log2(c) for the dkdv kernel, which therefore runs after.
+# Glossary: BM queries, BN keys per program block or inner tile (dq: a block of BM queries,
+# tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do);
+# lse2 = lse in log2 units (scores are in log2 units: log2(e) folded into the scale).
+
+@triton.jit
+def softmax_bwd_preprocess_kernel(
+    # pointers
+    o, do, lse, delta, lse2,
+    # dims
+    Tq, H: tl.constexpr, V: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr,
+):
+    """delta = rowsum(o * do) and lse2 = lse * log2(e), both [B, H, Tq] ([H, T] packed: B = 1)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ACC = tl.float64 if IS_FP64 else tl.float32
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_v = tl.arange(0, BV)
+    m_t, m_v = o_t < Tq, o_v < V
+    i_tok = (i_b.to(tl.int64) * Tq + o_t) * H + i_h
+    # [BT, BV]
+    b_o = tl.load(o + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
+    b_do = tl.load(do + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
+    i_row = (i_b.to(tl.int64) * H + i_h) * Tq + o_t
+    tl.store(delta + i_row, tl.sum(b_o * b_do, 1), mask=m_t)
+    b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
+    tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)
+
+
+@triton.jit
+def softmax_bwd_dq_tiles(
+    # carried
+    b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos,
+    # pointers
+    k, v,
+    # dims
+    k_bos, Tk_seq, i_h, lo, hi, qk_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    # meta
+    BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
+    IS_FP64: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS, and of P for
+    float64) of one query block. MASKED tiles straddle a mask edge or the end of the keys."""
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    for i_s in range(lo, hi, BN):
+        o_n = i_s + tl.arange(0, BN)
+        m_n = o_n < Tk_seq
+        i_tok = (k_bos + o_n) * H + i_h
+        # [BK, BN] keys and [BV, BN] values, loaded transposed
+        b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
+        b_vt = tl.load(v + i_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_n[None, :], other=0.0).to(DOT)
+        # [BM, BN] scores, log2 units
+        b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            m_s = m_n[None, :] & (o_n[None, :] <= o_pos[:, None])
+            b_s = tl.where(m_s, b_s, float("-inf"))
+        # [BM, BN] probabilities, 0 where masked and in padding rows (lse2 = +inf there)
+        b_p = tl.exp2(b_s - b_lse2[:, None])
+        # [BM, BN] dP = do v^T, then dS
+        b_dp = tl.dot(b_do, b_vt, input_precision=DOT_PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        # [BM, BK]
+        b_dq += tl.dot(b_ds.to(DOT), tl.trans(b_kt), input_precision=DOT_PRECISION)
+        if IS_FP64:
+            b_c += tl.sum(b_p, 1)
+    return b_dq, b_dgq, b_c
+
+
+@triton.jit
+def softmax_bwd_dq_kernel(
+    # pointers
+    q, k, v, do, lse2, delta, dq, cu_seqlens,
+    # dims
+    Tq, Tk, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    qk_scale, ds_scale,
+    # meta
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        Tq_seq = (tl.load(cu_seqlens + i_n + 1) - q_bos).to(tl.int32)
+        k_bos = q_bos
+        Tk_seq = Tq_seq
+        o_lse = i_h.to(tl.int64) * Tq + q_bos
+    else:
+        q_bos = i_n.to(tl.int64) * Tq
+        k_bos = i_n.to(tl.int64) * Tk
+        Tq_seq = Tq
+        Tk_seq = Tk
+        o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+    # the grid covers the longest sequence: blocks past this one's end have nothing to do
+    if i_m * BM >= Tq_seq:
+        return
+    ACC = tl.float64 if IS_FP64 else tl.float32
+    DOT = tl.float32 if UPCAST_DOT else q.dtype.element_ty
+
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_m, m_k, m_v = o_m < Tq_seq, o_k < K, o_v < V
+    # [BM] the key position of each query
+    o_pos = o_m + (Tk_seq - Tq_seq)
+    i_q = (q_bos + o_m) * H + i_h
+    # [BM, BK], [BM, BV]
+    b_q = tl.load(q + i_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(DOT)
+    b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :], other=0.0).to(DOT)
+    # [BM]
+    b_lse2 = tl.load(lse2 + o_lse + o_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + o_lse + o_m, mask=m_m, other=0.0)
+
+    # the key positions of the block's first and last real query
+    p_lo = i_m * BM + (Tk_seq - Tq_seq)
+    p_hi = tl.minimum(i_m * BM + BM, Tq_seq) - 1 + (Tk_seq - Tq_seq)
+    # key tiles: [0, i_edge) allowed for every query of the block, [i_edge, hi) masked
+    i_full = 0
+    i_edge = (p_lo + 1) // BN * BN
+    hi = p_hi + 1
+
+    # [BM, BK] dq; [BM] row sums of dS (the decay bias) and of P (float64: lse refinement)
+    b_dq = tl.zeros([BM, BK], dtype=ACC)
+    b_dgq = tl.zeros([BM], dtype=ACC)
+    b_c = tl.zeros([BM], dtype=ACC)
+    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BN, BK, BV, False, IS_FP64, DOT, DOT_PRECISION)
+    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
+
+    if IS_FP64:
+        # P was exp2(s - lse2) with a float32 lse: renormalize the rows, and store the exact lse2
+        b_c = tl.where(m_m, b_c, 1.0)
+        b_dq = b_dq / b_c[:, None]
+        b_dgq = b_dgq / b_c
+        tl.store(lse2 + o_lse + o_m, b_lse2 + tl.log2(b_c), mask=m_m)
+    b_dq = b_dq * ds_scale
+    tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & m_k[None, :])
+
+
+@triton.jit
+def softmax_bwd_dkdv_tiles(
+    # carried
+    b_dk, b_dv, b_dgk, b_k, b_v, o_n,
+    # pointers
+    q, do, lse2, delta,
+    # dims
+    q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, hi, qk_scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    # meta
+    BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Fold the query tiles starting in [lo, hi) into dk, dv (and the column sums of dS) of one
+    key block. MASKED tiles straddle a mask edge; padding queries carry lse2 = +inf (P = 0)."""
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    for i_t in range(lo, hi, BM):
+        o_m = i_t + tl.arange(0, BM)
+        m_m = o_m < Tq_seq
+        i_q = (q_bos + o_m) * H + i_h
+        # [BK, BM] queries, loaded transposed; [BM, BV] output gradients
+        b_qt = tl.load(q + i_q[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_m[None, :], other=0.0).to(DOT)
+        b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :], other=0.0).to(DOT)
+        # [BM]
+        b_lse2 = tl.load(lse2 + o_lse + o_m, mask=m_m, other=float("inf"))
+        b_delta = tl.load(delta + o_lse + o_m, mask=m_m, other=0.0)
+        # [BN, BM] transposed scores, log2 units
+        b_st = tl.dot(b_k, b_qt, input_precision=DOT_PRECISION) * qk_scale
+        # [BM] the key position of each query
+        o_pos = o_m + (Tk_seq - Tq_seq)
+        if MASKED:
+            m_s = o_n[:, None] <= o_pos[None, :]
+            b_st = tl.where(m_s, b_st, float("-inf"))
+        # [BN, BM]
+        b_pt = tl.exp2(b_st - b_lse2[None, :])
+        # [BN, BV]
+        b_dv += tl.dot(b_pt.to(DOT), b_do, input_precision=DOT_PRECISION)
+        # [BN, BM] dP^T = v do^T, then dS^T
+        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        # [BN, BK]
+        b_dk += tl.dot(b_dst.to(DOT), tl.trans(b_qt), input_precision=DOT_PRECISION)
+    return b_dk, b_dv, b_dgk
+
+
+@triton.jit
+def softmax_bwd_dkdv_kernel(
+    # pointers
+    q, k, v, do, lse2, delta, dk, dv, cu_seqlens,
+    # dims
+    Tq, Tk, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    qk_scale, ds_scale,
+    # meta
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_j, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        Tq_seq = (tl.load(cu_seqlens + i_n + 1) - q_bos).to(tl.int32)
+        k_bos = q_bos
+        Tk_seq = Tq_seq
+        o_lse = i_h.to(tl.int64) * Tq + q_bos
+    else:
+        q_bos = i_n.to(tl.int64) * Tq
+        k_bos = i_n.to(tl.int64) * Tk
+        Tq_seq = Tq
+        Tk_seq = Tk
+        o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+    # the grid covers the longest sequence: blocks past this one's end have nothing to do
+    if i_j * BN >= Tk_seq:
+        return
+    ACC = tl.float64 if IS_FP64 else tl.float32
+    DOT = tl.float32 if UPCAST_DOT else k.dtype.element_ty
+
+    o_n = i_j * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_n, m_k, m_v = o_n < Tk_seq, o_k < K, o_v < V
+    i_k = (k_bos + o_n) * H + i_h
+    # [BN, BK], [BN, BV]
+    b_k = tl.load(k + i_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(DOT)
+    b_v = tl.load(v + i_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
+
+    # queries sit at key positions t + Tk - Tq: t_lo is the first query that may see the block's
+    # first key, t_last the first that sees its last real key (both may be out of range)
+    t_lo = i_j * BN - (Tk_seq - Tq_seq)
+    t_last = tl.minimum(i_j * BN + BN, Tk_seq) - 1 - (Tk_seq - Tq_seq)
+    lo = tl.maximum(t_lo, 0) // BM * BM
+    # query tiles: [lo, i_full) masked (the causal edge), [i_full, hi) see every key of the block
+    hi = Tq_seq
+    i_full = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(t_last, 0), BM) * BM, lo), hi)
+    i_edge = hi
+
+    # [BN, BK] dk, [BN, BV] dv, [BN] minus the column sums of dS (the decay bias)
+    b_dk = tl.zeros([BN, BK], dtype=ACC)
+    b_dv = tl.zeros([BN, BV], dtype=ACC)
+    b_dgk = tl.zeros([BN], dtype=ACC)
+    b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
+        b_dk, b_dv, b_dgk, b_k, b_v, o_n, q, do, lse2, delta,
+        q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION)
+    b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
+        b_dk, b_dv, b_dgk, b_k, b_v, o_n, q, do, lse2, delta,
+        q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION)
+
+    b_dk = b_dk * ds_scale
+    tl.store(dk + i_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
+    tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+
+
+def _bwd_blocks(max_len, BK, BV, size, acc_size):
+    """(program block, inner tile, num_warps). A program's block holds its resident tiles and
+    two float32 (float64) accumulators of BK + BV columns within 64 KiB of registers; a stage of
+    the inner tiles it streams (BK + BV columns in the input dtype) within 32 KiB of shared memory."""
+    cap = max(16, triton.next_power_of_2(max_len))
+    block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc_size))))
+    tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
+    return block, tile, 8 if block * (BK + BV) > 4096 else 4
+
+
+def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do):
+    """Launch the backward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V], g [B, Tk, H] or
+    None, o and do [B, Tq, H, V] (all contiguous), lse the forward's float32 [B, H, Tq] ([H, total]
+    packed) -> dq, dk, dv, dg (None without decay)."""
+    B, Tq, H, K = q.shape
+    Tk, V = k.shape[1], v.shape[-1]
+    if cu_seqlens is None:
+        N, max_q, max_k = B, Tq, Tk
+    else:
+        N = cu_seqlens.numel() - 1
+        max_q = max_k = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    is_fp64 = q.dtype == torch.float64
+    acc = torch.float64 if is_fp64 else torch.float32
+    qk_scale, ds_scale, q_in = scale * LOG2E, scale, q
+    if is_fp64:
+        # a Triton float argument is float32: fold the scale into q and apply it to dq, dk below
+        q_in, qk_scale, ds_scale = q * qk_scale, 1.0, 1.0
+    # the interpreter's bfloat16 tl.dot problem: see softmax_fwd
+    upcast_dot = interpreted() and q.dtype == torch.bfloat16
+    dot_precision = "ieee" if q.element_size() >= 4 or upcast_dot else "tf32"
+    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    size, acc_size = q.element_size(), (8 if is_fp64 else 4)
+
+    # 1. delta and lse2, [B, H, Tq] ([H, T] packed)
+    delta = q.new_empty(lse.shape, dtype=acc)
+    lse2 = q.new_empty(lse.shape, dtype=acc)
+    BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
+    softmax_bwd_preprocess_kernel[(triton.cdiv(Tq, BT), B * H)](
+        o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
+
+    # 2. dq: query blocks of BM, key tiles of BN
+    BM, BN, warps = _bwd_blocks(max_q, BK, BV, size, acc_size)
+    dq = q.new_empty(q.shape)
+    softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM), N * H)](
+        q_in, k, v, do, lse2, delta, dq, cu_seqlens,
+        Tq, Tk, H, K, V, qk_scale, ds_scale,
+        BM=BM, BN=BN, BK=BK, BV=BV,
+        IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        num_warps=warps, num_stages=2,
+    )
+
+    # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
+    BN, BM, warps = _bwd_blocks(max_k, BK, BV, size, acc_size)
+    dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * H)](
+        q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
+        Tq, Tk, H, K, V, qk_scale, ds_scale,
+        BM=BM, BN=BN, BK=BK, BV=BV,
+        IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+        num_warps=warps, num_stages=2,
+    )
+    if is_fp64:
+        # dq = scale dS k; dk = scale dS^T q = dS^T q_in / log2(e)
+        dq.mul_(scale)
+        dk.mul_(1.0 / LOG2E)
+
+    dg = None
+    return dq, dk, dv, dg
+
+
+# The backward runs as an op of its own, so torch.compile (AOTAutograd traces the backward with
+# fake tensors) records one call instead of tracing into the kernel launches. An op returns
+# tensors only: dg without decay travels as an empty tensor.
+@torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba_softmax_bwd", mutates_args=())
+def softmax_bwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: float, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do)
+    return dq, dk, dv, dg if dg is not None else q.new_empty(0)
+
+
+@softmax_bwd_op.register_fake
+def _(q, k, v, g, cu_seqlens, scale, o, lse, do):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
+        torch.empty_like(g) if g is not None else q.new_empty(0)
+
+
+SOFTMAX_BACKWARD = ("parallel",)
 
 
 def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do):
-    raise NotImplementedError("softmax backward kernel")
+    """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
+    decay, None for cu_seqlens). lse is the forward's float32 [B, H, Tq] ([H, total] packed)."""
+    q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
+    g = g.contiguous() if g is not None else None
+    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, o, lse, do)
+    return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel form: parallel (the FlashAttention-2 forward above). The op returns the output and
