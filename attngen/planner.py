@@ -260,4 +260,24 @@ def explain(plan_: Plan) -> str:
         lines.append(f"\nform {form.name}: {form.doc}")
         for i, stage in enumerate(form.stages, 1):
             lines.append(f"  {i:2d}. {stage.signature():<70s} # {stage.doc}")
+    lines.append("\n" + MEMORY[_memory_key(plan_.spec)])
     return "\n".join(lines)
+
+
+# What a training step keeps beyond the inputs and outputs, per form of the kernels.
+MEMORY = {
+    "softmax": "training memory (kernels): the forward saves o and the log-sum-exp (O(T) per head); "
+               "the backward recomputes the scores tile by tile",
+    "bidirectional": "training memory (kernels): the forward saves o; the backward recomputes through the "
+                     "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
+    "causal": "training memory (kernels): the forward saves o and the final state; the recurrent backward keeps "
+              "per-token partials, O(T (K + V)) per head times the value blocks; the chunked backward "
+              "recomputes the chunk-start states (T/C x F x V floats per head, float32) and per-value-block "
+              "dq/dk partials, transient inside the backward",
+}
+
+
+def _memory_key(spec: Spec) -> str:
+    if not spec.is_linear:
+        return "softmax"
+    return "bidirectional" if spec.mask == "bidirectional" else "causal"

@@ -33,6 +33,12 @@ def phi(x):
     return x
 
 
+@triton.jit
+def phi_grad(x):
+    # its derivative phi'(x), printed from sympy (the backward kernels' chain rule)
+    return 1.0
+
+
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
@@ -116,12 +122,305 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     )
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
-# (not yet generated: the runtime differentiates the PyTorch recurrent form instead)
-RECURRENT_BACKWARD = ()
+# Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
+# S'_t = D_t(S_{t-1}) the decayed state token t starts from, dn_t the gradient of S_tᵀ q̂_t:
+#   G_t  = D_{t+1}(G'_{t+1}) + q̂_t dn_tᵀ,  G_T from dht;   dq̂_t = S_t dn_t;   dh0 = D_1(G'_1)
+#   r_t = v_t - S'_tᵀ k̂_t,  u_t = β_t r_t,  du_t = G_tᵀ k̂_t,  w_t = -β_t du_t,  G'_t = G_t + k̂_t w_tᵀ
+#   dk̂_t = G_t u_t + S'_t w_t,  dv_t = β_t du_t,  dβ_t = du_t · r_t
+# The G recursion never reads a state, so no per-token state is kept (that would be O(T F V)):
+# each term pairing a state with a gradient is formed by a walk that holds one of them in
+# registers and reads the other's per-token vectors, stored by an earlier walk:
+#   1. forward walk, S in registers: dq̂_t, r_t, the dg terms q̂⊙dq̂ and <dht, S_T>
+#   2. backward walk, G in registers: dv_t, dk̂_t = G_t u_t, dβ_t, w_t, the dg term -k̂⊙(G u)
+#   3. forward walk, S in registers: dk̂_t += S'_t w_t, the dg term +k̂⊙(S' w)
+#   4. per (sequence, head): the value blocks' partial sums, the feature map's
+#      backward (q̂, k̂ -> q, k), dg from the last token back
+# dg_t = <G'_t, S'_t> (per feature row) without the states: since
+# <G_{t-1}, S_{t-1}> = <G'_t, S'_t>, it satisfies
+#   dg_t = dg_{t+1} + q̂_t⊙dq̂_t - k̂_t⊙(G_t u_t) + k̂_t⊙(S'_t w_t),  dg_{T+1} = <dht, S_T>
+# exactly; the last pass sums the terms from the last token back.
+# Value blocks: one program per (value block of BV columns, sequence x head), as the forward;
+# dq̂, dk̂, dβ, the dg terms are sums over all value columns, so each block writes its own
+# fp32 partial ([NV, B * T * H, *], NV = cdiv(V, BV); 1 for V <= 32) and the last pass adds them
+# up: no atomics, deterministic. Memory beyond inputs and gradients: the partials, NV (2 F + F + 1) floats per token
+# and head, and r, w: 2 V floats per token and head: O(T (K + V)) for V up to a few BV.
+# Glossary: NV value blocks, BTH = B * T * H token rows, i_part this block's first partial row.
+
+
+@triton.jit
+def recurrent_bwd_fwd_kernel(
+    # pointers
+    q, k, v, g, beta, omega, h0, do, dht, cu_seqlens,
+    r, w, rd, ddp, dqf, dkf, dgc, dgb,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
+):
+    # The forward walks: FIRST is pass 1, else pass 3 (see above).
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    i_part = i_v.to(tl.int64) * BTH
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for t in range(0, T_seq):
+        i_tok = (bos + t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # [BV]
+        b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-06)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-06)
+        b_q = b_q * scale
+        # [BF, 1]
+        b_a = tl.exp(tl.load(g + i_tok * K + o_f, mask=m_f, other=0.0).to(tl.float32))[:, None]
+        # S'_t
+        b_h = b_h * b_a
+        b_beta = tl.load(beta + i_tok).to(tl.float32)
+        # [BV] r_t = v_t - S'_tᵀ k̂_t
+        b_r = b_v - tl.sum(b_h * b_k[:, None], 0)
+        if FIRST:
+            tl.store(r + i_tok * V + o_v, b_r, mask=m_v)
+        else:
+            # [BF] S'_t w_t, the part of dk̂_t pass 2 could not form
+            b_w = tl.load(w + i_tok * V + o_v, mask=m_v, other=0.0)
+            b_dk = tl.sum(b_h * b_w[None, :], 1)
+            p_dk = dkf + (i_part + i_tok) * F + o_f
+            tl.store(p_dk, tl.load(p_dk, mask=m_f, other=0.0) + b_dk, mask=m_f)
+            p_dg = dgc + (i_part + i_tok) * F + o_f
+            tl.store(p_dg, tl.load(p_dg, mask=m_f, other=0.0) + b_k * b_dk, mask=m_f)
+        b_h += b_k[:, None] * (b_beta * b_r)[None, :]
+        if FIRST:
+            # [BV]
+            b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            # [BF] dq̂_t = S_t dn_t (this block's columns)
+            b_dq = tl.sum(b_h * b_dn[None, :], 1)
+            tl.store(dqf + (i_part + i_tok) * F + o_f, b_dq, mask=m_f)
+            tl.store(dgc + (i_part + i_tok) * F + o_f, b_q * b_dq, mask=m_f)
+
+    if FIRST:
+        if HAS_DHT:
+            # dg_{T+1} = <dht, S_T>
+            b_c = tl.sum(tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32) * b_h, 1)
+            tl.store(dgb + (i_v.to(tl.int64) * tl.num_programs(1) + i_nh) * F + o_f, b_c, mask=m_f)
+
+
+@triton.jit
+def recurrent_bwd_rev_kernel(
+    # pointers
+    q, k, v, g, beta, omega, do, dht, cu_seqlens,
+    r, w, rd, dd, dv, dbp, dkf, dgc, dh0,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # Pass 2: the tokens from last to first with G [BF, BV] in registers.
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    i_part = i_v.to(tl.int64) * BTH
+
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    # [BF, BV] G, the gradient of the state block
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-06)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-06)
+        b_q = b_q * scale
+        # [BV]
+        b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        # G_t
+        b_dh += b_q[:, None] * b_dn[None, :]
+        b_beta = tl.load(beta + i_tok).to(tl.float32)
+        # [BV]
+        b_r = tl.load(r + i_tok * V + o_v, mask=m_v, other=0.0)
+        b_du = tl.sum(b_dh * b_k[:, None], 0)
+        # [BF] G_t u_t
+        b_dk = tl.sum(b_dh * (b_beta * b_r)[None, :], 1)
+        tl.store(dv + i_tok * V + o_v, (b_beta * b_du).to(dv.dtype.element_ty), mask=m_v)
+        tl.store(dbp + i_part + i_tok, tl.sum(b_du * b_r, 0))
+        b_w = -b_beta * b_du
+        tl.store(w + i_tok * V + o_v, b_w, mask=m_v)
+        # G'_t
+        b_dh += b_k[:, None] * b_w[None, :]
+        tl.store(dkf + (i_part + i_tok) * F + o_f, b_dk, mask=m_f)
+        p_dg = dgc + (i_part + i_tok) * F + o_f
+        tl.store(p_dg, tl.load(p_dg, mask=m_f, other=0.0) - b_k * b_dk, mask=m_f)
+        # [BF, 1]
+        b_a = tl.exp(tl.load(g + i_tok * K + o_f, mask=m_f, other=0.0).to(tl.float32))[:, None]
+        # the gradient of S_{t-1}
+        b_dh = b_dh * b_a
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh, mask=m_state)
+
+
+@triton.jit
+def recurrent_bwd_finish_kernel(
+    # pointers
+    q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr, NV: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # The last pass, one program per sequence x head, from the last token back.
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # dg_t from the last token back, starting at dg_{T+1} = <dht, S_T>
+    b_dg = tl.zeros([BF], dtype=tl.float32)
+    if HAS_DHT:
+        for i_b in range(0, NV):
+            b_dg += tl.load(dgb + (i_b * tl.num_programs(0) + i_nh).to(tl.int64) * F + o_f, mask=m_f, other=0.0)
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BF] the value blocks' partials
+        b_dq = tl.zeros([BF], dtype=tl.float32)
+        b_dk = tl.zeros([BF], dtype=tl.float32)
+        b_db = tl.zeros([], dtype=tl.float32)
+        # rows of block i_b: i_b * BTH + i_tok (int64)
+        i_row = i_tok
+        for i_b in range(0, NV):
+            b_dq += tl.load(dqf + i_row * F + o_f, mask=m_f, other=0.0)
+            b_dk += tl.load(dkf + i_row * F + o_f, mask=m_f, other=0.0)
+            b_dg += tl.load(dgc + i_row * F + o_f, mask=m_f, other=0.0)
+            b_db += tl.load(dbp + i_row)
+            i_row += BTH
+        tl.store(dg + i_tok * K + o_f, b_dg, mask=m_f)
+        tl.store(dbeta + i_tok, b_db.to(dbeta.dtype.element_ty))
+        # [BK] the raw rows; [BF] -> [BK] their gradients
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dq = b_dq * scale
+        b_q_phi = b_q
+        # through x / sqrt(|x|^2 + eps): r (dy - x r^2 (x . dy)), r = 1 / sqrt(|x|^2 + eps)
+        b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 0) + 1e-06)
+        b_dq = b_q_rn * (b_dq - b_q_phi * (b_q_rn * b_q_rn * tl.sum(b_q_phi * b_dq, 0)))
+        b_k_phi = b_k
+        # through x / sqrt(|x|^2 + eps): r (dy - x r^2 (x . dy)), r = 1 / sqrt(|x|^2 + eps)
+        b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 0) + 1e-06)
+        b_dk = b_k_rn * (b_dk - b_k_phi * (b_k_rn * b_k_rn * tl.sum(b_k_phi * b_dk, 0)))
+        tl.store(dq + i_tok * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
+        tl.store(dk + i_tok * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
+
+
+def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
+    """The recurrent backward's passes. Inputs contiguous; returns (dq, dk, dv, dg, dbeta, dh0),
+    None for g, beta, initial_state that were None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    NV, BTH = triton.cdiv(V, BV), B * T * H
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # fp32 partials per value block (see the header)
+    dqf = torch.empty(NV, B, T, H, F, **f32)
+    dkf = torch.empty(NV, B, T, H, F, **f32)
+    # dg's per-token terms and its start <dht, S_T>
+    dgc = torch.empty(NV, B, T, H, F, **f32)
+    dgb = torch.empty(NV, N, H, F, **f32) if dht is not None else None
+    # r_t (pass 1 -> 2), w_t (pass 2 -> 3) [B, T, H, V]; dβ partials
+    r = torch.empty(B, T, H, V, **f32)
+    w = torch.empty(B, T, H, V, **f32)
+    dbp = torch.empty(NV, B, T, H, **f32)
+    rd = ddp = None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dh0 = torch.empty(N, H, F, VS, **f32) if initial_state is not None else None
+    dg = torch.empty(B, T, H, K, **f32)
+    dbeta = torch.empty_like(beta) if beta is not None else None
+
+    dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
+                HAS_DHT=dht is not None)
+    grid = (NV, N * H)
+    recurrent_bwd_fwd_kernel[grid](
+        q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
+        *dims, **meta, FIRST=True)
+    dd = None
+    recurrent_bwd_rev_kernel[grid](
+        q, k, v, g, beta, omega, do, dht, cu_seqlens, r, w, rd, dd, dv, dbp, dkf, dgc, dh0, *dims, **meta)
+    recurrent_bwd_fwd_kernel[grid](
+        q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
+        *dims, **meta, FIRST=False)
+    recurrent_bwd_finish_kernel[(N * H,)](
+        q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+        T, BTH, H, K, F, NV, scale, K ** -0.25, F ** -0.5,
+        BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None)
+    dg = dg.to(g.dtype)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+# The backward runs as an op of its own, so torch.compile (AOTAutograd traces the backward with
+# fake tensors) records one call instead of tracing into the kernel launches. An op returns
+# tensors only: gradients of absent inputs travel as empty tensors.
+RECURRENT_BACKWARD = ("recurrent",)
 
 
 def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
-    raise NotImplementedError("recurrent backward kernel")
+    """Gradients of the recurrent form: (dq, dk, dv, dg, dbeta, None, dh0, None), None for
+    omega, cu_seqlens and the inputs that were None. dht is None when no loss reached the
+    final state."""
+    contiguous = lambda t: t.contiguous() if t is not None else None
+    q, k, v, g, beta, initial_state, do, dht = map(contiguous, (q, k, v, g, beta, initial_state, do, dht))
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
 # program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
@@ -295,12 +594,450 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
-# (not yet generated: the runtime differentiates the PyTorch chunked form instead)
-CHUNKED_BACKWARD = ()
+# Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,
+# with chunk-start state h_c, the gradient dS of the chunk-end state, P the decayed causal scores,
+# Ak_ts = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t), A = diag(β) Ak, T = (I + A)^-1, X = diag(β) V,
+# Y = diag(β) (K̂ ⊙ Γ), W = T Y and the written values U = T X - W h_c:
+#   dP = dO U^T       dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
+#   dW = -dU h_c^T    dX = T^T dU    dY = T^T dW    dT = dU X^T + dW Y^T    dA = -T^T dT T^T (s < t)
+#   dv = diag(β) dX   dβ = rowsum(dX ⊙ V) + rowsum(dY ⊙ K̂ ⊙ Γ) + rowsum(dA ⊙ Ak)
+#   dq̂ = (dO h_c^T) ⊙ Γ + dP K̂
+#   dk̂ = (U dS^T) ⊙ Γ_C/Γ + dP^T Q̂ + diag(β) dY ⊙ Γ + diag(β) dA K̂ + (diag(β) dA)^T K̂   (dP, dA through the decay ratios)
+#   dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU
+# T^T, W^T, U^T are built transposed (T^T by column substitution on A^T), so no value is transposed.
+# The decay gradient, chunk by chunk, per feature (summed over features for scalar decay): with
+# dk̂' the parts of dk̂ through P^T and (diag(β) dA)^T (the keys' columns s), dk̂r through Y and
+# diag(β) dA K̂ (the rows t), dk̂" through dS,
+#   dg_t = sum_{s >= t in chunk} (q̂_s ⊙ dq̂_s - k̂_s ⊙ dk̂'_s + k̂_s ⊙ dk̂r_s) + sum_{s < t in chunk} k̂_s ⊙ dk̂"_s + Γ_C sum_v h_c ⊙ dS
+# Pairs across t add up; pairs inside the chunk cancel; P's pair s = t (decay ratio 1) is kept out
+# of dq̂, dk̂ until the end (dP_tt apart). No sum runs across chunks.
+# Three kernels:
+#   1. chunked_bwd_states_kernel, per (value block, sequence x head), forward over chunks:
+#      recomputes (the UT transform included) and stores every chunk-start state h_c.
+#   2. chunked_bwd_delta_kernel, per (value block, sequence x head), chunks in reverse with dS
+#      [BF, BV] in registers (from the final state's gradient): dv, the value block's shares of dq̂,
+#      dk̂, dβ, dP_tt and the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
+#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
+#      the chain rule through scale, the l2 norm and the feature map (recomputed from q, k) -> dq, dk.
+# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
+# (float32) and the value blocks' shares live only inside this backward, recomputed here from the
+# inputs: a training step's extra memory stays O(T (F + V)) per head, plus this transient
+# O(T F V / chunk).
+CHUNKED_BACKWARD = ("chunked",)
+
+
+@triton.jit
+def chunked_bwd_states_kernel(
+    # pointers
+    q, k, v, g, beta, omega, h0, do, h, norm, c_part, cu_seqlens, chunk_offsets,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk in the per-chunk state buffer (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for i_c in range(0, tl.cdiv(T_seq, BT)):
+        # the chunk-start state, kept for the reverse walk: [chunks, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BK, BT] -> [BF, BT] the keys transposed by the load
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+        # [BT, BV]
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
+        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_G = tl.cumsum(b_g, 0)
+        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        # [BF]
+        b_GC = tl.sum(b_g, 0)
+        # Γ_t and Γ_C/Γ_t; [BF] Γ_C
+        b_gam = tl.exp(b_G.to(tl.float32))
+        b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
+        b_gam_C = tl.exp(b_GC.to(tl.float32))
+        # the values the chunk's delta updates write, as the forward computes them:
+        # U = (I + A)^-1 diag(β) V - W S, W = (I + A)^-1 diag(β) (K ⊙ Γ)
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+        # [BT, BT] A column by column: a per-feature decay ratio does not factor into one tl.dot
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for s in range(0, BT):
+            m_s = o_i == s
+            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
+            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
+            b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
+            b_A = tl.where(m_s[None, :], tl.sum(b_k * b_kd, 1)[:, None], b_A)
+        b_A = b_A * b_beta[:, None]
+        b_kg = b_k * b_gam
+        # [BT, BT] (I + A)^-1 by forward substitution: row i = e_i - sum_{s < i} A_is row s
+        b_Ai = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+        for i in range(1, BT):
+            m_row = o_i[:, None] == i
+            b_a = tl.sum(tl.where(m_row, b_A, 0.0), 0)
+            b_Ai = tl.where(m_row, b_Ai - tl.sum(b_a[:, None] * b_Ai, 0)[None, :], b_Ai)
+        b_w = chunked_dot(b_Ai, b_kg * b_beta[:, None], DOT_PRECISION)
+        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION) - chunked_dot(b_w, b_h, DOT_PRECISION)
+        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+        b_kt_rest = b_kt * b_gam_rest_t
+        b_h = b_h * b_gam_C[:, None] + chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+
+
+@triton.jit
+def chunked_bwd_delta_kernel(
+    # pointers
+    q, k, v, g, beta, omega, do, dht, h, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
+    dv, dh0, cu_seqlens, chunk_offsets,
+    # dims
+    T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk in the per-chunk state buffer (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BT, BT] s < t in [t, s]
+    m_strict = o_i[:, None] > o_i[None, :]
+    # this value block's rows of the [NV, B * T * H, *] shares (int64)
+    o_part = i_v.to(tl.int64) * NTOK * H
+
+    # [BF, BV] the state gradient block, from the final state's gradient
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BF, BT] queries and keys transposed by the load; [BT, BF] keys
+        b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_qt = b_qt * tl.rsqrt(tl.sum(b_qt * b_qt, 0) + 1e-06)[None, :]
+        b_qt = b_qt * scale
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+        b_q = b_q * scale
+        # [BT] (0 on padded tokens)
+        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+        # [BT, BV] and [BV, BT] values and output gradients
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        # [BV, BF] the chunk-start state transposed by the load
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
+        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_G = tl.cumsum(b_g, 0)
+        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        # [BF]
+        b_GC = tl.sum(b_g, 0)
+        # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
+        b_gam = tl.exp(b_G.to(tl.float32))
+        b_gam_t = tl.exp(b_Gt.to(tl.float32))
+        b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+        b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
+        b_gam_C = tl.exp(b_GC.to(tl.float32))
+        # [BT, BT] Ak [t, s] = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t), Ak^T and P^T [s, t], key column by
+        # key column: a per-feature decay ratio does not factor into one tl.dot
+        b_Ak = tl.zeros([BT, BT], dtype=tl.float32)
+        b_Akt = tl.zeros([BT, BT], dtype=tl.float32)
+        b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+        for s in range(0, BT):
+            m_s = o_i == s
+            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
+            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
+            # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 on and above the diagonal
+            b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
+            b_col = tl.sum(b_k * b_kd, 1)
+            b_Ak = tl.where(m_s[None, :], b_col[:, None], b_Ak)
+            b_Akt = tl.where(m_s[:, None], b_col[None, :], b_Akt)
+            b_Pt = tl.where(m_s[:, None], b_Pt + tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+        # [BT, BT] T^T = (I + A^T)^-1, A^T [s, t] = β_t Ak_ts, column by column: column i of T^T is
+        # e_i - T^T a_i with a_i the column i of A^T (the forward's rows of T, transposed)
+        b_At = b_Akt * b_beta[None, :]
+        b_Tt = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+        for i in range(1, BT):
+            m_col = o_i[None, :] == i
+            b_a = tl.sum(tl.where(m_col, b_At, 0.0), 1)
+            b_Tt = tl.where(m_col, b_Tt - tl.sum(b_Tt * b_a[None, :], 1)[:, None], b_Tt)
+        # [BF, BT] Y^T = (diag(β) (K̂ ⊙ Γ))^T and W^T = Y^T T^T; [BV, BT] X^T = (diag(β) V)^T and
+        # U^T = X^T T^T - h_c^T W^T: the values the chunk's delta updates write
+        b_yt = b_kt * b_gam_t * b_beta[None, :]
+        b_wt = chunked_dot(b_yt, b_Tt, DOT_PRECISION)
+        b_xt = b_vt * b_beta[None, :]
+        b_ut = chunked_dot(b_xt, b_Tt, DOT_PRECISION) - chunked_dot(b_hct, b_wt, DOT_PRECISION)
+        # [BT, BT] dP = dO U^T; [BT] its diagonal dP_tt, kept apart (see the header)
+        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION)
+        b_dd = tl.sum(b_dot * b_ut, 0)
+        # [BT, BF] dq̂ and [BF, BT] dk̂^T through the chunk-start state and the state gradient
+        b_dq = chunked_dot(b_do, b_hct, DOT_PRECISION)
+        b_dkt_state = chunked_dot(b_dh, b_ut, DOT_PRECISION)
+        # [BF] this value block's share of the decay gradient's chunk term Γ_C sum_v h_c ⊙ dS
+        b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_state, other=0.0)
+        tl.store(dgc_part + ((i_v.to(tl.int64) * NCH + boc + i_c) * H + i_h) * F + o_f, tl.sum(b_hc * b_dh, 1) * b_gam_C, mask=m_f)
+        b_dq = b_dq * b_gam
+        b_dkt_state = b_dkt_state * b_gam_rest_t
+        b_k_rest = b_k * b_gam_rest
+        # [BT, BV] dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
+        b_du = chunked_dot(b_Pt, b_do, DOT_PRECISION) + chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
+        # through U = T X - T Y h_c: [BT, BF] dW = -dU h_c^T, [BT, BV] dX = T^T dU, [BT, BF] dY = T^T dW,
+        # [BT, BT] dT = dU X^T + dW Y^T and dA = -T^T dT T^T on s < t
+        b_dw = -chunked_dot(b_du, b_hct, DOT_PRECISION)
+        b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
+        b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
+        b_dT = chunked_dot(b_du, b_xt, DOT_PRECISION) + chunked_dot(b_dw, b_yt, DOT_PRECISION)
+        b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
+        # [BT, BV] dv = diag(β) dX
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        # [BT] this value block's share of dβ: through X, Y and A = diag(β) Ak
+        b_dyg = b_dy * b_gam
+        b_db = tl.sum(b_dx * b_v, 1) + tl.sum(b_dyg * b_k, 1) + tl.sum(b_dA * b_Ak, 1)
+        tl.store(db_part + o_part + o_tok, b_db, mask=m_t)
+        # [BT, BF] dk̂ through Y, and [BT, BT] the gradient of Ak
+        b_dkr = b_dyg * b_beta[:, None]
+        b_dAk = b_dA * b_beta[:, None]
+        # the pairs s < t of P and Ak, key column by key column: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t),
+        # dk̂^T = Q̂^T dP + K̂^T dAk (columns s), each through the decay ratios
+        b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
+        for s in range(0, BT):
+            m_s = o_i == s
+            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
+            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
+            b_dPs = tl.sum(tl.where(m_s[None, :], b_dP, 0.0), 1)
+            b_dAs = tl.sum(tl.where(m_s[None, :], b_dAk, 0.0), 1)
+            b_dec = tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
+            b_kd = b_ks[None, :] * b_dec
+            b_dq += b_dPs[:, None] * b_kd
+            b_dkr += b_dAs[:, None] * b_kd
+            b_dkt = tl.where(m_s[None, :], tl.sum((b_dPs[:, None] * b_q + b_dAs[:, None] * b_k) * b_dec, 0)[:, None], b_dkt)
+        # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ (columns s of P and Ak; rows t of Y and
+        # Ak; through the state); [NV, B * T * H] dP_tt
+        tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
+        tl.store(dk_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt, mask=m_f[:, None] & m_t[None, :])
+        tl.store(dkr_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dkr, mask=m_t[:, None] & m_f[None, :])
+        tl.store(dki_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt_state, mask=m_f[:, None] & m_t[None, :])
+        tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
+        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
+        b_dh = b_dh * b_gam_C[:, None] + chunked_dot(b_qt * b_gam_t, b_do, DOT_PRECISION) - chunked_dot(b_wt, b_du, DOT_PRECISION)
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def chunked_bwd_qk_kernel(
+    # pointers
+    q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # one program per chunk slot of the state buffer and head
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        # the slot's sequence; the slots past the last chunk map past the last sequence's end (all masked)
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+
+    # [BT, BF] dq̂, dk̂ without the pair s = t, [BT] its coefficient dP_tt: the value blocks' shares summed
+    b_dq = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dd = tl.zeros([BT], dtype=tl.float32)
+    # [BT, BF] dk̂ through the state
+    b_dki = tl.zeros([BT, BF], dtype=tl.float32)
+    # [BT, BF] dk̂ through Y and the rows of diag(β) dA K̂
+    b_dkr = tl.zeros([BT, BF], dtype=tl.float32)
+    # [BF] the chunk term of the decay gradient
+    b_dgc = tl.zeros([BF], dtype=tl.float32)
+    o_dgc = (i_s.to(tl.int64) * H + i_h) * F + o_f
+    # the [NV, B * T * H, *] shares' rows (int64)
+    o_row = o_tok
+    for i_p in range(0, NV):
+        b_dq += tl.load(dq_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dk += tl.load(dk_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dd += tl.load(dd_part + o_row, mask=m_t, other=0.0)
+        b_dki += tl.load(dki_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dkr += tl.load(dkr_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dgc += tl.load(dgc_part + o_dgc, mask=m_f, other=0.0)
+        o_dgc += NCH * H * F
+        o_row += NTOK * H
+    # [BT, BK] the raw tiles and their features
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q_phi = b_q
+    b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 1) + 1e-06)
+    b_q_hat = b_q_phi * b_q_rn[:, None]
+    b_k_phi = b_k
+    b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
+    b_k_hat = b_k_phi * b_k_rn[:, None]
+    # [BT, BF] q̂ = scale * b_q_hat
+    b_qs = b_q_hat * scale
+
+    # [BT, BF] the decay gradient per feature (float64): reverse sum inside the chunk of
+    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
+    b_r = (b_qs * b_dq - b_k_hat * b_dk + b_k_hat * b_dkr).to(tl.float64)
+    b_ri = (b_k_hat * b_dki).to(tl.float64)
+    b_dg = tl.sum(b_r, 0)[None, :] - tl.cumsum(b_r, 0) + b_r + tl.cumsum(b_ri, 0) - b_ri + b_dgc[None, :].to(tl.float64)
+    tl.store(dg + o_tok[:, None] * K + o_f[None, :], b_dg.to(dg.dtype.element_ty), mask=m_tf)
+    b_dk += b_dki
+    b_dk += b_dkr
+
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale)
+    b_dk += b_dd[:, None] * b_qs
+    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
+    # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
+    b_dq = b_q_rn[:, None] * (b_dq - b_q_hat * tl.sum(b_q_hat * b_dq, 1)[:, None])
+    # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
+    b_dk = b_k_rn[:, None] * (b_dk - b_k_hat * tl.sum(b_k_hat * b_dk, 1)[:, None])
+    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht):
-    raise NotImplementedError("chunked backward kernel")
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None ->
+    (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
+    if chunk not in (16, 32, 64):
+        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    g = g.contiguous() if g is not None else None
+    beta = beta.contiguous() if beta is not None else None
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    # the forward's blocks
+    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    NV = triton.cdiv(V, BV)
+    if cu_seqlens is None:
+        chunk_offsets = chunk_seq = None
+        n_chunks = B * triton.cdiv(T, chunk)
+    else:
+        # each sequence's first chunk slot, and each slot's sequence. sum_n cdiv(len_n, chunk) <=
+        # cdiv(T, chunk) + N bounds the slots without reading the lengths back to the host
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+        ends = torch.cumsum(lens, 0)
+        chunk_offsets = ends - lens
+        n_chunks = triton.cdiv(T, chunk) + N
+        chunk_seq = torch.searchsorted(ends, torch.arange(n_chunks, device=q.device), right=True).clamp_(max=N - 1)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h = torch.empty(n_chunks, H, F, VS, **f32)
+    norm = c_part = None
+    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper)
+    num_warps = 2 if chunk == 64 else 4
+    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=num_warps)
+    chunked_bwd_states_kernel[(NV, N * H)](
+        q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
+    )
+    dq_part = torch.empty(NV, B, T, H, F, **f32)
+    dk_part = torch.empty(NV, B, T, H, F, **f32)
+    dd_part = torch.empty(NV, B, T, H, **f32)
+    dki_part = torch.empty(NV, B, T, H, F, **f32)
+    dgc_part = torch.empty(NV, n_chunks, H, F, **f32)
+    dv = torch.empty_like(v)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    dkr_part = torch.empty(NV, B, T, H, F, **f32)
+    db_part = torch.empty(NV, B, T, H, **f32)
+    chunked_bwd_delta_kernel[(NV, N * H)](
+        q, k, v, g, beta, omega, do, dht, h, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
+        dv, dh0, cu_seqlens, chunk_offsets,
+        T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
+    )
+    dbeta = db_part.sum(0).to(beta.dtype) if NV > 1 else db_part[0].to(beta.dtype)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty_like(g)
+    chunked_bwd_qk_kernel[(n_chunks, H)](
+        q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
+        chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps,
+    )
+    return dq, dk, dv, dg, dbeta, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
@@ -342,10 +1079,32 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
+@torch.library.custom_op("attngen::kda_782f2ff1584ebf0f_bwd", mutates_args=())
+def backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, chunk: int, do: torch.Tensor, dht: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # An op of its own, so that torch.compile traces the backward as one opaque call.
+    if form == "recurrent":
+        grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    else:
+        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)
+    dq, dk, dv, dg, dbeta, _, dh0, _ = grads
+    return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
+
+
+@backward_op.register_fake
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, do, dht):
+    like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
+    return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
+
+
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None)."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    if form == "recurrent":
-        return recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
-    return chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk,
+                                             do.contiguous(), dht)
+    present = lambda gr, t: gr if t is not None else None
+    return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None

@@ -33,6 +33,12 @@ def phi(x):
     return x
 
 
+@triton.jit
+def phi_grad(x):
+    # its derivative phi'(x), printed from sympy (the backward kernels' chain rule)
+    return 1.0
+
+
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
@@ -110,12 +116,230 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     )
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
-# (not yet generated: the runtime differentiates the PyTorch recurrent form instead)
-RECURRENT_BACKWARD = ()
+# Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
+# S'_t = D_t(S_{t-1}) the decayed state token t starts from, dn_t the gradient of S_tᵀ q̂_t:
+#   G_t  = D_{t+1}(G'_{t+1}) + q̂_t dn_tᵀ,  G_T from dht;   dq̂_t = S_t dn_t;   dh0 = D_1(G'_1)
+#   G'_t = G_t,  dk̂_t = G_t v_t,  dv_t = G_tᵀ k̂_t
+# The G recursion never reads a state, so no per-token state is kept (that would be O(T F V)):
+# each term pairing a state with a gradient is formed by a walk that holds one of them in
+# registers and reads the other's per-token vectors, stored by an earlier walk:
+#   1. forward walk, S in registers: dq̂_t
+#   2. backward walk, G in registers: dv_t, dk̂_t = G_t v_t
+#   3. per (sequence, head): the value blocks' partial sums, the feature map's
+#      backward (q̂, k̂ -> q, k)
+# Value blocks: one program per (value block of BV columns, sequence x head), as the forward;
+# dq̂, dk̂ are sums over all value columns, so each block writes its own
+# fp32 partial ([NV, B * T * H, *], NV = cdiv(V, BV); 1 for V <= 32) and the last pass adds them
+# up: no atomics, deterministic. Memory beyond inputs and gradients: the partials, NV (2 F) floats per token
+# and head: O(T (K + V)) for V up to a few BV.
+# Glossary: NV value blocks, BTH = B * T * H token rows, i_part this block's first partial row.
+
+
+@triton.jit
+def recurrent_bwd_fwd_kernel(
+    # pointers
+    q, k, v, g, beta, omega, h0, do, dht, cu_seqlens,
+    r, w, rd, ddp, dqf, dkf, dgc, dgb,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
+):
+    # The forward walks: FIRST is pass 1 (see above).
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    i_part = i_v.to(tl.int64) * BTH
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for t in range(0, T_seq):
+        i_tok = (bos + t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # [BV]
+        b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_q = b_q * scale
+        b_h += b_k[:, None] * b_v[None, :]
+        if FIRST:
+            # [BV]
+            b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            # [BF] dq̂_t = S_t dn_t (this block's columns)
+            b_dq = tl.sum(b_h * b_dn[None, :], 1)
+            tl.store(dqf + (i_part + i_tok) * F + o_f, b_dq, mask=m_f)
+
+
+@triton.jit
+def recurrent_bwd_rev_kernel(
+    # pointers
+    q, k, v, g, beta, omega, do, dht, cu_seqlens,
+    r, w, rd, dd, dv, dbp, dkf, dgc, dh0,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # Pass 2: the tokens from last to first with G [BF, BV] in registers.
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    i_part = i_v.to(tl.int64) * BTH
+
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    # [BF, BV] G, the gradient of the state block
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = b_q * scale
+        # [BV]
+        b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        # G_t
+        b_dh += b_q[:, None] * b_dn[None, :]
+        b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        # [BF] G_t v_t
+        b_dk = tl.sum(b_dh * b_v[None, :], 1)
+        tl.store(dv + i_tok * V + o_v, tl.sum(b_dh * b_k[:, None], 0).to(dv.dtype.element_ty), mask=m_v)
+        tl.store(dkf + (i_part + i_tok) * F + o_f, b_dk, mask=m_f)
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh, mask=m_state)
+
+
+@triton.jit
+def recurrent_bwd_finish_kernel(
+    # pointers
+    q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr, NV: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # The last pass, one program per sequence x head, from the last token back.
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BF] the value blocks' partials
+        b_dq = tl.zeros([BF], dtype=tl.float32)
+        b_dk = tl.zeros([BF], dtype=tl.float32)
+        # rows of block i_b: i_b * BTH + i_tok (int64)
+        i_row = i_tok
+        for i_b in range(0, NV):
+            b_dq += tl.load(dqf + i_row * F + o_f, mask=m_f, other=0.0)
+            b_dk += tl.load(dkf + i_row * F + o_f, mask=m_f, other=0.0)
+            i_row += BTH
+        # [BK] the raw rows; [BF] -> [BK] their gradients
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dq = b_dq * scale
+        tl.store(dq + i_tok * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
+        tl.store(dk + i_tok * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
+
+
+def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
+    """The recurrent backward's passes. Inputs contiguous; returns (dq, dk, dv, dg, dbeta, dh0),
+    None for g, beta, initial_state that were None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    NV, BTH = triton.cdiv(V, BV), B * T * H
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # fp32 partials per value block (see the header)
+    dqf = torch.empty(NV, B, T, H, F, **f32)
+    dkf = torch.empty(NV, B, T, H, F, **f32)
+    dgc = dgb = None
+    r = w = dbp = None
+    rd = ddp = None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dh0 = torch.empty(N, H, F, VS, **f32) if initial_state is not None else None
+    dg = None
+    dbeta = torch.empty_like(beta) if beta is not None else None
+
+    dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
+                HAS_DHT=dht is not None)
+    grid = (NV, N * H)
+    recurrent_bwd_fwd_kernel[grid](
+        q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
+        *dims, **meta, FIRST=True)
+    dd = None
+    recurrent_bwd_rev_kernel[grid](
+        q, k, v, g, beta, omega, do, dht, cu_seqlens, r, w, rd, dd, dv, dbp, dkf, dgc, dh0, *dims, **meta)
+    recurrent_bwd_finish_kernel[(N * H,)](
+        q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+        T, BTH, H, K, F, NV, scale, K ** -0.25, F ** -0.5,
+        BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+# The backward runs as an op of its own, so torch.compile (AOTAutograd traces the backward with
+# fake tensors) records one call instead of tracing into the kernel launches. An op returns
+# tensors only: gradients of absent inputs travel as empty tensors.
+RECURRENT_BACKWARD = ("recurrent",)
 
 
 def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
-    raise NotImplementedError("recurrent backward kernel")
+    """Gradients of the recurrent form: (dq, dk, dv, dg, dbeta, None, dh0, None), None for
+    omega, cu_seqlens and the inputs that were None. dht is None when no loss reached the
+    final state."""
+    contiguous = lambda t: t.contiguous() if t is not None else None
+    q, k, v, g, beta, initial_state, do, dht = map(contiguous, (q, k, v, g, beta, initial_state, do, dht))
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- bidirectional form
 # Every token reads the whole sequence's state: o_t = S_T^T q̂_t with S_T = S0 + Σ_t k̂_t v_t^T
 # (additive, no decay).
@@ -250,10 +474,32 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
 BACKWARD_FORMS = RECURRENT_BACKWARD
 
 
+@torch.library.custom_op("attngen::linear_bidirectional_6713cd25c17849f5_bwd", mutates_args=())
+def backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, chunk: int, do: torch.Tensor, dht: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # An op of its own, so that torch.compile traces the backward as one opaque call.
+    if form == "recurrent":
+        grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    else:
+        raise ValueError(f"form: the kernels have no backward for form {form!r}")
+    dq, dk, dv, dg, dbeta, _, dh0, _ = grads
+    return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
+
+
+@backward_op.register_fake
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, do, dht):
+    like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
+    return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
+
+
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None)."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    if form == "recurrent":
-        return recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
-    raise ValueError(f"form: the kernels have no backward for form {form!r}")
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk,
+                                             do.contiguous(), dht)
+    present = lambda gr, t: gr if t is not None else None
+    return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None

@@ -33,6 +33,12 @@ def phi(x):
     return x
 
 
+@triton.jit
+def phi_grad(x):
+    # its derivative phi'(x), printed from sympy (the backward kernels' chain rule)
+    return x
+
+
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
@@ -120,12 +126,279 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     )
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
-# (not yet generated: the runtime differentiates the PyTorch recurrent form instead)
-RECURRENT_BACKWARD = ()
+# Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
+# S'_t = D_t(S_{t-1}) the decayed state token t starts from, dn_t the gradient of S_tᵀ q̂_t:
+#   G_t  = D_{t+1}(G'_{t+1}) + q̂_t dn_tᵀ,  G_T from dht;   dq̂_t = S_t dn_t;   dh0 = D_1(G'_1)
+#   G'_t = G_t,  dk̂_t = G_t v_t,  dv_t = G_tᵀ k̂_t
+# The G recursion never reads a state, so no per-token state is kept (that would be O(T F V)):
+# each term pairing a state with a gradient is formed by a walk that holds one of them in
+# registers and reads the other's per-token vectors, stored by an earlier walk:
+#   1. forward walk, S in registers: dq̂_t
+#   2. backward walk, G in registers: dv_t, dk̂_t = G_t v_t
+#   3. per (sequence, head): the value blocks' partial sums, the feature map's
+#      backward (q̂, k̂ -> q, k)
+# normalize sum: z is the state's column V with v = 1. o = n / d, n_t = S_tᵀ q̂_t, d_t = z_t·q̂_t + eps,
+# so dn_t = do_t / d_t and z's column takes dd_t = -(do_t·n_t) / d_t^2, a sum over all value
+# blocks: pass 1 stores each block's share (and adds z_t dd_share to its dq̂), the launcher sums
+# them, and in pass 2 value block 0 carries z's gradient Gz (the other blocks' stays zero).
+# Value blocks: one program per (value block of BV columns, sequence x head), as the forward;
+# dq̂, dk̂ are sums over all value columns, so each block writes its own
+# fp32 partial ([NV, B * T * H, *], NV = cdiv(V, BV); 1 for V <= 32) and the last pass adds them
+# up: no atomics, deterministic. Memory beyond inputs and gradients: the partials, NV (2 F + 1) floats per token
+# and head, and 1 / d_t: O(T (K + V)) for V up to a few BV.
+# Glossary: NV value blocks, BTH = B * T * H token rows, i_part this block's first partial row.
+
+
+@triton.jit
+def recurrent_bwd_fwd_kernel(
+    # pointers
+    q, k, v, g, beta, omega, h0, do, dht, cu_seqlens,
+    r, w, rd, ddp, dqf, dkf, dgc, dgb,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
+):
+    # The forward walks: FIRST is pass 1 (see above).
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    i_part = i_v.to(tl.int64) * BTH
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    # [BF] the normalizer column z
+    o_zcol = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
+    b_z = tl.zeros([BF], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+        b_z += tl.load(h0 + o_zcol, mask=m_f, other=0.0).to(tl.float32)
+
+    for t in range(0, T_seq):
+        i_tok = (bos + t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # [BV]
+        b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_q = b_q * x_scale
+        b_q = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q[None, :], 1) - 0.5 * tl.sum(b_q * b_q, 0)) * f_scale, 0.0)
+        b_k = b_k * x_scale
+        b_k = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k[None, :], 1) - 0.5 * tl.sum(b_k * b_k, 0)) * f_scale, 0.0)
+        b_q = b_q * scale
+        b_h += b_k[:, None] * b_v[None, :]
+        b_z += b_k
+        if FIRST:
+            # [BV]
+            b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+            # 1 / d_t, and this block's share of dd_t = -(do_t·n_t) / d_t^2
+            b_rd = 1.0 / (tl.sum(b_z * b_q, 0) + 1e-06)
+            tl.store(rd + i_tok, b_rd, mask=i_v == 0)
+            b_dn = b_dn * b_rd
+            b_dd = -tl.sum(b_dn * tl.sum(b_h * b_q[:, None], 0), 0) * b_rd
+            tl.store(ddp + i_part + i_tok, b_dd)
+            # [BF] dq̂_t = S_t dn_t + z_t dd_t (this block's columns and share)
+            b_dq = tl.sum(b_h * b_dn[None, :], 1) + b_z * b_dd
+            tl.store(dqf + (i_part + i_tok) * F + o_f, b_dq, mask=m_f)
+
+
+@triton.jit
+def recurrent_bwd_rev_kernel(
+    # pointers
+    q, k, v, g, beta, omega, do, dht, cu_seqlens,
+    r, w, rd, dd, dv, dbp, dkf, dgc, dh0,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # Pass 2: the tokens from last to first with G [BF, BV] in registers.
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    i_part = i_v.to(tl.int64) * BTH
+
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    # [BF, BV] G, the gradient of the state block
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    # [BF] Gz, the gradient of the normalizer column: value block 0 carries it
+    o_zcol = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
+    m_z = tl.where(i_v == 0, m_f, False)
+    b_dz = tl.zeros([BF], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+        b_dz += tl.load(dht + o_zcol, mask=m_z, other=0.0).to(tl.float32)
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BK] -> [BF]
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = b_q * x_scale
+        b_q = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q[None, :], 1) - 0.5 * tl.sum(b_q * b_q, 0)) * f_scale, 0.0)
+        b_k = b_k * x_scale
+        b_k = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k[None, :], 1) - 0.5 * tl.sum(b_k * b_k, 0)) * f_scale, 0.0)
+        b_q = b_q * scale
+        # [BV]
+        b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b_dn = b_dn * tl.load(rd + i_tok)
+        b_dz += b_q * tl.where(i_v == 0, tl.load(dd + i_tok), 0.0)
+        # G_t
+        b_dh += b_q[:, None] * b_dn[None, :]
+        b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+        # [BF] G_t v_t + Gz_t
+        b_dk = tl.sum(b_dh * b_v[None, :], 1) + b_dz
+        tl.store(dv + i_tok * V + o_v, tl.sum(b_dh * b_k[:, None], 0).to(dv.dtype.element_ty), mask=m_v)
+        tl.store(dkf + (i_part + i_tok) * F + o_f, b_dk, mask=m_f)
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh, mask=m_state)
+        tl.store(dh0 + o_zcol, b_dz, mask=m_z)
+
+
+@triton.jit
+def recurrent_bwd_finish_kernel(
+    # pointers
+    q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+    # dims
+    T, BTH, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr, NV: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr,
+):
+    # The last pass, one program per sequence x head, from the last token back.
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    for i_t in range(0, T_seq):
+        i_tok = (bos + T_seq - 1 - i_t) * H + i_h
+        # [BF] the value blocks' partials
+        b_dq = tl.zeros([BF], dtype=tl.float32)
+        b_dk = tl.zeros([BF], dtype=tl.float32)
+        # rows of block i_b: i_b * BTH + i_tok (int64)
+        i_row = i_tok
+        for i_b in range(0, NV):
+            b_dq += tl.load(dqf + i_row * F + o_f, mask=m_f, other=0.0)
+            b_dk += tl.load(dkf + i_row * F + o_f, mask=m_f, other=0.0)
+            i_row += BTH
+        # [BK] the raw rows; [BF] -> [BK] their gradients
+        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_dq = b_dq * scale
+        b_q_s = b_q * x_scale
+        b_q_phi = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q_s[None, :], 1) - 0.5 * tl.sum(b_q_s * b_q_s, 0)) * f_scale, 0.0)
+        # through exp: dp = phi ⊙ dphi [BF]; through p = Ω x' - |x'|^2 / 2 and x' = x K^-1/4: [BK]
+        b_dq = b_dq * b_q_phi
+        b_dq = (tl.sum(b_omega * b_dq[:, None], 0) - b_q_s * tl.sum(b_dq, 0)) * x_scale
+        b_k_s = b_k * x_scale
+        b_k_phi = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k_s[None, :], 1) - 0.5 * tl.sum(b_k_s * b_k_s, 0)) * f_scale, 0.0)
+        # through exp: dp = phi ⊙ dphi [BF]; through p = Ω x' - |x'|^2 / 2 and x' = x K^-1/4: [BK]
+        b_dk = b_dk * b_k_phi
+        b_dk = (tl.sum(b_omega * b_dk[:, None], 0) - b_k_s * tl.sum(b_dk, 0)) * x_scale
+        tl.store(dq + i_tok * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
+        tl.store(dk + i_tok * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)
+
+
+def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
+    """The recurrent backward's passes. Inputs contiguous; returns (dq, dk, dv, dg, dbeta, dh0),
+    None for g, beta, initial_state that were None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V + 1  # the normalizer column
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    NV, BTH = triton.cdiv(V, BV), B * T * H
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # fp32 partials per value block (see the header)
+    dqf = torch.empty(NV, B, T, H, F, **f32)
+    dkf = torch.empty(NV, B, T, H, F, **f32)
+    dgc = dgb = None
+    r = w = dbp = None
+    # 1 / d_t; the value blocks' shares of dd_t
+    rd = torch.empty(B, T, H, **f32)
+    ddp = torch.empty(NV, B, T, H, **f32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dh0 = torch.empty(N, H, F, VS, **f32) if initial_state is not None else None
+    dg = None
+    dbeta = torch.empty_like(beta) if beta is not None else None
+
+    dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
+                HAS_DHT=dht is not None)
+    grid = (NV, N * H)
+    recurrent_bwd_fwd_kernel[grid](
+        q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
+        *dims, **meta, FIRST=True)
+    dd = ddp.sum(0)
+    recurrent_bwd_rev_kernel[grid](
+        q, k, v, g, beta, omega, do, dht, cu_seqlens, r, w, rd, dd, dv, dbp, dkf, dgc, dh0, *dims, **meta)
+    recurrent_bwd_finish_kernel[(N * H,)](
+        q, k, omega, cu_seqlens, dqf, dkf, dgc, dgb, dbp, dq, dk, dg, dbeta,
+        T, BTH, H, K, F, NV, scale, K ** -0.25, F ** -0.5,
+        BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None)
+    dh0 = dh0.to(initial_state.dtype) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+# The backward runs as an op of its own, so torch.compile (AOTAutograd traces the backward with
+# fake tensors) records one call instead of tracing into the kernel launches. An op returns
+# tensors only: gradients of absent inputs travel as empty tensors.
+RECURRENT_BACKWARD = ("recurrent",)
 
 
 def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht):
-    raise NotImplementedError("recurrent backward kernel")
+    """Gradients of the recurrent form: (dq, dk, dv, dg, dbeta, None, dh0, None), None for
+    omega, cu_seqlens and the inputs that were None. dht is None when no loss reached the
+    final state."""
+    contiguous = lambda t: t.contiguous() if t is not None else None
+    q, k, v, g, beta, initial_state, do, dht = map(contiguous, (q, k, v, g, beta, initial_state, do, dht))
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
 # program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
@@ -282,12 +555,372 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
-# (not yet generated: the runtime differentiates the PyTorch chunked form instead)
-CHUNKED_BACKWARD = ()
+# Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
+# [v, 1]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
+# P the decayed causal scores and dP = dO V^T + c 1^T:
+#   dq̂ = (dO h_c^T + c z_c^T) + dP K̂
+#   dk̂ = (V dS^T + 1 dz^T) + dP^T Q̂
+#   dv = P^T dO + K̂ dS
+#   dS <- dS + Q̂^T dO   (dS of the chunk's start; dP, P through the decay ratios)
+# with dO = do / n, n_t = z_t.q̂_t + eps, and c = -do.õ / n^2 the output gradient of the ones
+# column (õ = [o z.q̂] the unnormalized outputs).
+# Three kernels:
+#   1. chunked_bwd_states_kernel, per (value block, sequence x head), forward over chunks:
+#      recomputes and stores every chunk-start state h_c, recomputes the outputs õ for the
+#      normalizer n_t and the value block's share of c.
+#   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
+#      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂; after chunk 0, dS is the initial state's gradient.
+#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares;
+#      the chain rule through scale and the feature map (recomputed from q, k) -> dq, dk.
+# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
+# (float32), the value blocks' dq̂, dk̂ shares, n and c live only inside this backward, recomputed
+# here from the inputs: a training step's extra memory stays O(T (F + V)) per head, plus this
+# transient O(T F V / chunk).
+# No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
+# values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
+CHUNKED_BACKWARD = ("chunked",)
+
+
+@triton.jit
+def chunked_bwd_states_kernel(
+    # pointers
+    q, k, v, g, beta, omega, h0, do, h, norm, c_part, cu_seqlens, chunk_offsets,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk in the per-chunk state buffer (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BT, BT] token s may reach token t of the same chunk: s <= t
+    m_causal = o_i[:, None] >= o_i[None, :]
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    # [BF] the normalizer column z
+    b_z = tl.zeros([BF], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+        b_z += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, mask=m_f, other=0.0).to(tl.float32)
+
+    for i_c in range(0, tl.cdiv(T_seq, BT)):
+        # the chunk-start state, kept for the reverse walk: [chunks, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        if i_v == 0:
+            tl.store(h + o_hc + o_f * VS + V, b_z, mask=m_f)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BK, BT] -> [BF, BT] the keys transposed by the load
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * x_scale
+        b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
+        b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
+        # [BT, BV]
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # the outputs õ = [o z.q̂] of this value block, as the forward computes them
+        # [BT, BK] -> [BT, BF]
+        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = b_q * x_scale
+        b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
+        b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
+        b_q = b_q * scale
+        b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
+        b_qg = b_q
+        # [BT, BV] õ; [BT] n = z.q̂ + eps
+        b_o = chunked_dot(b_qg, b_h, DOT_PRECISION) + chunked_dot(b_P, b_v, DOT_PRECISION)
+        b_n = tl.sum(b_qg * b_z[None, :], 1) + tl.sum(b_P, 1) + 1e-06
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # [BT] this value block's share of c = -do.õ / n^2
+        tl.store(c_part + i_v.to(tl.int64) * NTOK * H + o_tok, -tl.sum(b_do * b_o, 1) / (b_n * b_n), mask=m_t)
+        if i_v == 0:
+            tl.store(norm + o_tok, b_n, mask=m_t)
+        b_u = b_v
+        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+        b_kt_rest = b_kt
+        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+        b_z = b_z + tl.sum(b_kt_rest, 1)
+
+
+@triton.jit
+def chunked_bwd_kernel(
+    # pointers
+    q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
+    cu_seqlens, chunk_offsets,
+    # dims
+    T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk in the per-chunk state buffer (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BT, BT] s < t in [t, s] (the gradients' pairs, s = t apart) and s <= t in [s, t] (scores transposed)
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+    # this value block's rows of the [NV, B * T * H, *] shares (int64)
+    o_part = i_v.to(tl.int64) * NTOK * H
+
+    # [BF, BV] the state gradient block, from the final state's gradient
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    # [BF] the normalizer column's gradient dz (value block 0 only: the column is counted once)
+    o_zcol = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
+    # (a block compare: Triton's interpreter rejects a mask broadcast from a scalar condition)
+    m_zcol = m_f & (o_f * 0 + i_v == 0)
+    b_dz = tl.zeros([BF], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+        b_dz += tl.load(dht + o_zcol, mask=m_zcol, other=0.0).to(tl.float32)
+
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BK, BT] -> [BF, BT] queries transposed by the load; [BT, BK] -> [BT, BF] keys
+        b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_qt = b_qt * x_scale
+        b_qt = tl.dot(b_omega, b_qt, input_precision="ieee") - 0.5 * tl.sum(b_qt * b_qt, 0)[None, :]
+        b_qt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_qt) * f_scale, 0.0)
+        b_qt = b_qt * scale
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * x_scale
+        b_k = tl.dot(b_k, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_k * b_k, 1)[:, None]
+        b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
+        # [BT, BV] and [BV, BT] values, [BT, BV] output gradient
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # [BV, BF] the chunk-start state transposed by the load
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        # dO = do / n; [BT] c and [BF] z_c, the ones column's (value block 0 only)
+        b_do = b_do / tl.load(norm + o_tok, mask=m_t, other=1.0)[:, None]
+        b_c = tl.load(c + o_tok, mask=m_t & (o_i * 0 + i_v == 0), other=0.0)
+        b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_zcol, other=0.0)
+        # [BT, BT] dP = dO V^T + c 1^T; [BT] its diagonal dP_tt, kept apart (see the header)
+        b_dP = chunked_dot(b_do, b_vt, DOT_PRECISION) + b_c[:, None]
+        b_dd = tl.sum(b_do * b_v, 1) + b_c
+        # [BT, BF] dq̂ and [BF, BT] dk̂^T through the chunk-start state and the state gradient
+        b_dq = chunked_dot(b_do, b_hct, DOT_PRECISION) + b_c[:, None] * b_zc[None, :]
+        b_dkt_state = chunked_dot(b_dh, b_vt, DOT_PRECISION) + b_dz[:, None]
+        b_dP = tl.where(m_strict, b_dP, 0.0)
+        b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
+        b_k_rest = b_k
+        # inside the chunk, the pairs s < t: dq̂ += dP K̂, dk̂^T = Q̂^T dP
+        b_dq += chunked_dot(b_dP, b_k, DOT_PRECISION)
+        b_dkt = chunked_dot(b_qt, b_dP, DOT_PRECISION)
+        # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
+        b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
+        b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        # this value block's shares: [NV, B * T * H, F] dq̂, dk̂; [NV, B * T * H] dP_tt
+        tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
+        tl.store(dk_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt + b_dkt_state, mask=m_f[:, None] & m_t[None, :])
+        tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
+        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
+        b_qt_g = b_qt
+        b_dh += chunked_dot(b_qt_g, b_do, DOT_PRECISION)
+        b_dz = b_dz + tl.sum(b_qt_g * b_c[None, :], 1)
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+        tl.store(dh0 + o_zcol, b_dz.to(dh0.dtype.element_ty), mask=m_zcol)
+
+
+@triton.jit
+def chunked_bwd_qk_kernel(
+    # pointers
+    q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # one program per chunk slot of the state buffer and head
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        # the slot's sequence; the slots past the last chunk map past the last sequence's end (all masked)
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+
+    # [BT, BF] dq̂, dk̂ without the pair s = t, [BT] its coefficient dP_tt: the value blocks' shares summed
+    b_dq = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dd = tl.zeros([BT], dtype=tl.float32)
+    # the [NV, B * T * H, *] shares' rows (int64)
+    o_row = o_tok
+    for i_p in range(0, NV):
+        b_dq += tl.load(dq_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dk += tl.load(dk_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
+        b_dd += tl.load(dd_part + o_row, mask=m_t, other=0.0)
+        o_row += NTOK * H
+    # [BT, BK] the raw tiles and their features
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q_xs = b_q * x_scale
+    b_q_phi = tl.dot(b_q_xs, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q_xs * b_q_xs, 1)[:, None]
+    b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
+    b_q_hat = b_q_phi
+    b_k_xs = b_k * x_scale
+    b_k_phi = tl.dot(b_k_xs, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_k_xs * b_k_xs, 1)[:, None]
+    b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
+    b_k_hat = b_k_phi
+    # [BT, BF] q̂ = scale * b_q_hat
+    b_qs = b_q_hat * scale
+
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale)
+    b_dk += b_dd[:, None] * b_qs
+    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
+    # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
+    b_dq = b_dq * b_q_phi
+    b_dq = (tl.dot(b_dq, b_omega, input_precision="ieee") - b_q_xs * tl.sum(b_dq, 1)[:, None]) * x_scale
+    # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
+    b_dk = b_dk * b_k_phi
+    b_dk = (tl.dot(b_dk, b_omega, input_precision="ieee") - b_k_xs * tl.sum(b_dk, 1)[:, None]) * x_scale
+    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht):
-    raise NotImplementedError("chunked backward kernel")
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None ->
+    (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
+    if chunk not in (16, 32, 64):
+        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    g = g.contiguous() if g is not None else None
+    beta = beta.contiguous() if beta is not None else None
+    initial_state = initial_state.contiguous() if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V + 1  # the normalizer column
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    # the forward's blocks
+    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    NV = triton.cdiv(V, BV)
+    if cu_seqlens is None:
+        chunk_offsets = chunk_seq = None
+        n_chunks = B * triton.cdiv(T, chunk)
+    else:
+        # each sequence's first chunk slot, and each slot's sequence. sum_n cdiv(len_n, chunk) <=
+        # cdiv(T, chunk) + N bounds the slots without reading the lengths back to the host
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+        ends = torch.cumsum(lens, 0)
+        chunk_offsets = ends - lens
+        n_chunks = triton.cdiv(T, chunk) + N
+        chunk_seq = torch.searchsorted(ends, torch.arange(n_chunks, device=q.device), right=True).clamp_(max=N - 1)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h = torch.empty(n_chunks, H, F, VS, **f32)
+    norm = torch.empty(B, T, H, **f32)
+    c_part = torch.empty(NV, B, T, H, **f32)
+    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper)
+    num_warps = 2 if chunk == 64 else 4
+    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=num_warps)
+    chunked_bwd_states_kernel[(NV, N * H)](
+        q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
+    )
+    c = c_part.sum(0) if NV > 1 else c_part[0]
+    dq_part = torch.empty(NV, B, T, H, F, **f32)
+    dk_part = torch.empty(NV, B, T, H, F, **f32)
+    dd_part = torch.empty(NV, B, T, H, **f32)
+    dki_part = dgc_part = None
+    dv = torch.empty_like(v)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    dkr_part = dbeta = None
+    chunked_bwd_kernel[(NV, N * H)](
+        q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
+        cu_seqlens, chunk_offsets,
+        T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
+    )
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = None
+    chunked_bwd_qk_kernel[(n_chunks, H)](
+        q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
+        chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps,
+    )
+    return dq, dk, dv, dg, dbeta, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
@@ -329,10 +962,32 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
+@torch.library.custom_op("attngen::performer_e5aabca7fa184dd7_bwd", mutates_args=())
+def backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, chunk: int, do: torch.Tensor, dht: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # An op of its own, so that torch.compile traces the backward as one opaque call.
+    if form == "recurrent":
+        grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    else:
+        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)
+    dq, dk, dv, dg, dbeta, _, dh0, _ = grads
+    return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
+
+
+@backward_op.register_fake
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, do, dht):
+    like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
+    return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
+
+
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None)."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    if form == "recurrent":
-        return recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
-    return chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk,
+                                             do.contiguous(), dht)
+    present = lambda gr, t: gr if t is not None else None
+    return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None

@@ -79,8 +79,21 @@ def test_outputs_fully_written(spec_dict, monkeypatch):
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
 
 
-def test_torch_compile_fullgraph():
-    """A module calling a generated op compiles with no graph break, forward and backward."""
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_torch_compile_fullgraph(form):
+    """A module calling a generated op compiles with no graph break, forward and backward
+    (the backward kernels run as an op of their own)."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    # on-disk caches could serve a graph compiled against an older generated module
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        _compile_and_compare(form)
+
+
+def _compile_and_compare(form):
     op = attngen.load(CASES[0])
 
     class Layer(torch.nn.Module):
@@ -89,7 +102,8 @@ def test_torch_compile_fullgraph():
             self.proj = torch.nn.Linear(8, 8)
 
         def forward(self, q, k, v, g, beta):
-            o, s = op(self.proj(q), k, v, g, beta, output_final_state=True, form="recurrent")
+            o, s = op(self.proj(q), k, v, g, beta, output_final_state=True, form=form,
+                      chunk_size=16 if form == "chunked" else None)
             return o.square().mean() + s.square().mean()
 
     layer = Layer()

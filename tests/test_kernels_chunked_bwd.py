@@ -1,0 +1,208 @@
+"""The chunked backward kernels (and the parallel form's, which runs as one chunk of them) of
+additive and delta rules against the float64 interpreter: gradients of q, k, v, g, beta and the
+initial state under a loss on the output and the final state, through Triton's interpreter on the
+CPU (DESIGN.md §7). Every check also asserts that the generated backward ran, not the PyTorch
+recompute."""
+from __future__ import annotations
+
+import os
+
+# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attngen  # noqa: E402
+from attngen import codegen  # noqa: E402
+from attngen.reference import reference  # noqa: E402
+from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch, tmp_path_factory):
+    """Force the generated kernels (only for these tests: other files keep their backend)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+
+
+def _spec(name: str, **fields) -> dict:
+    return {"name": name, "attention": "linear", "mask": "causal", **fields}
+
+
+# The shipped causal specs (performer with 16 features: the interpreter is slow), plain identity
+# features, an expression map with l2 norm, scalar decay and the sum normalizer, a vector decay
+# with the normalizer and relu features, and the delta rule through FAVOR+.
+SPECS = {
+    "identity": _spec("identity_additive"),
+    "linear_transformer": _spec("linear_transformer", feature_map="elu_plus_one", normalize="sum"),
+    "performer": _spec("performer", feature_map="favor_plus", normalize="sum",
+                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
+    "mamba2": _spec("mamba2", decay="scalar"),
+    "retnet": _spec("retnet", decay="constant"),
+    "gla": _spec("gla", decay="vector"),
+    "expr_map": _spec("expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", decay="scalar",
+                      normalize="sum", scale=0.5),
+    "gla_sum": _spec("gla_sum", feature_map="relu", decay="vector", normalize="sum"),
+    "deltanet": _spec("deltanet", qk_norm="l2", update="delta"),
+    "gated_deltanet": _spec("gated_deltanet", qk_norm="l2", update="delta", decay="scalar"),
+    "kda": _spec("kda", qk_norm="l2", update="delta", decay="vector"),
+    "delta_favor": _spec("delta_favor", feature_map="favor_plus", update="delta", decay="scalar",
+                         favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
+}
+
+
+@pytest.fixture
+def kernel_backward(monkeypatch):
+    """load(spec) -> (op, calls): the op, and a list that records each run of its module's
+    chunked_bwd (wrapped: module.backward looks it up by name)."""
+    def load(spec: dict):
+        op = attngen.load(spec)
+        module = codegen.load_module(op.spec)
+        calls = []
+        inner = module.chunked_bwd
+
+        def counted(*args, **kwargs):
+            calls.append(args[9])  # the chunk size
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(module, "chunked_bwd", counted)
+        return op, calls
+    return load
+
+
+def check(kernel_backward, spec: dict, shape: Shape, dtype=torch.float32, form: str = "chunked",
+          chunk: int | None = 16, initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
+    op, calls = kernel_backward(spec)
+    inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
+    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)  # noqa: E731
+    rows = compare(op.spec, fn, inputs, dtype, with_grads=True)
+    where = f"{spec['name']} {form}(chunk={chunk}) {dtype} on {shape}"
+    assert calls, f"{where}: the generated chunked backward did not run"
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{where}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_grads_match_interpreter(kernel_backward, name, dtype):
+    """Every additive spec: several chunks with a partial last one, K != V, two sequences."""
+    check(kernel_backward, SPECS[name], Shape(batch=2, q_len=37, heads=1, head_dim=8, value_dim=12), dtype)
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 16), (7, 32), (63, 64), (100, 16), (100, 64)])
+@pytest.mark.parametrize("name", ["linear_transformer", "mamba2", "retnet", "gated_deltanet"])
+def test_lengths_and_chunk_sizes(kernel_backward, name, T, chunk):
+    check(kernel_backward, SPECS[name], Shape(batch=1, q_len=T, heads=2, head_dim=8, value_dim=6),
+          chunk=chunk, seed=T)
+
+
+@pytest.mark.parametrize("T", [7, 63])
+@pytest.mark.parametrize("name", ["performer", "retnet", "gla", "gated_deltanet"])
+def test_parallel_form(kernel_backward, name, T):
+    """The parallel form's gradients: one chunk of 16, 32 or 64 tokens spanning the sequence."""
+    check(kernel_backward, SPECS[name], Shape(batch=1, q_len=T, heads=2, head_dim=8, value_dim=6),
+          form="parallel", chunk=None, seed=T)
+
+
+@pytest.mark.parametrize("K, V", [(20, 5), (72, 40)])
+@pytest.mark.parametrize("name", ["linear_transformer", "retnet", "expr_map", "gated_deltanet"])
+def test_head_dims(kernel_backward, name, K, V):
+    """K not a power of two, K > V, and F > 64 (two value blocks of 32: the shares of dq, dk,
+    the normalizer's column and the decay gradient are summed over value blocks)."""
+    check(kernel_backward, SPECS[name], Shape(batch=1, q_len=21, heads=1, head_dim=K, value_dim=V), seed=K)
+
+
+@pytest.mark.parametrize("name, initial_state", [
+    (name, h0) for name in ("linear_transformer", "performer", "mamba2", "retnet", "gated_deltanet") for h0 in (True, False)
+] + [("gla", True), ("kda", True)])
+def test_varlen(kernel_backward, name, initial_state):
+    """Packed sequences, one of length 1, each its own chunks, initial state and gradients."""
+    shape = Shape(batch=1, q_len=57, heads=2, head_dim=8, value_dim=6, cu_seqlens=(0, 1, 18, 50, 57))
+    check(kernel_backward, SPECS[name], shape, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("name, seed", [("mamba2", 0), ("mamba2", 3), ("retnet", 3), ("retnet", 4),
+                                        ("gla", 1), ("expr_map", 0), ("gated_deltanet", 3), ("kda", 2)])
+def test_strong_decay(kernel_backward, name, seed):
+    """g down to about -20 per token, 64-token chunks: the decay gradient stays as accurate as
+    plain float32 PyTorch (its pairs s = t and the cross-chunk sums would otherwise cancel)."""
+    check(kernel_backward, SPECS[name], Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6),
+          chunk=64, seed=seed, decay_strength=20)
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "mamba2", "gla_sum", "gated_deltanet"])
+def test_loss_on_output_only(kernel_backward, name):
+    """No loss reaches the final state (dht is None): the state gradient starts from zero."""
+    op, calls = kernel_backward(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=29, heads=1, head_dim=8, value_dim=6))
+    inputs["q"], inputs["k"], inputs["v"] = (inputs[n].float() for n in ("q", "k", "v"))
+    do = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = {}
+    for label, fn in (("kernel", lambda **kw: op(**kw, form="chunked", chunk_size=16)[0]),
+                      ("oracle", lambda **kw: reference(op.spec, **kw)[0])):
+        leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
+        o = fn(**leaves)
+        torch.autograd.backward(o, do.to(o.dtype))
+        grads[label] = {n: t.grad for n, t in leaves.items()}
+    assert calls
+    for n, ref in grads["oracle"].items():
+        assert rel_error(grads["kernel"][n], ref) < 2e-5, n
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "retnet", "gated_deltanet"])
+def test_every_gradient_element_written(kernel_backward, name, monkeypatch):
+    """Gradient and scratch buffers allocated NaN-filled (as torch.empty's garbage may be): the
+    kernels write every element they read or return, across value blocks, varlen's spare chunk
+    slots and a partial last chunk."""
+    op, calls = kernel_backward(SPECS[name])
+
+    def poisoned(alloc):
+        def wrapper(*args, **kwargs):
+            out = alloc(*args, **kwargs)
+            return out.fill_(float("nan")) if out.is_floating_point() else out
+        return wrapper
+
+    shape = Shape(batch=1, q_len=41, heads=2, head_dim=72, value_dim=40, cu_seqlens=(0, 1, 23, 41))
+    inputs = random_inputs(op.spec, shape)
+    inputs = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+    assert torch.isnan(torch.empty(3)).all()
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
+    assert calls
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, "\n".join(failures)
+
+
+def test_float64_inputs(kernel_backward):
+    """float64 inputs (computed in float32): gradients come back float64, float32-accurate."""
+    op, calls = kernel_backward(SPECS["expr_map"])
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=23, heads=1, head_dim=8, value_dim=6))
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
+    o, ht = op(**leaves, output_final_state=True, form="chunked", chunk_size=16)
+    (o.sum() + ht.sum()).backward()
+    ref = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
+    ref_o, ref_ht = reference(op.spec, **ref, output_final_state=True)
+    (ref_o.sum() + ref_ht.sum()).backward()
+    assert calls
+    for n, leaf in leaves.items():
+        assert leaf.grad.dtype == torch.float64
+        assert rel_error(leaf.grad, ref[n].grad) < 1e-5, n
+
+
+def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backward):
+    """A delta rule with a constant decay has no generated chunked backward: the module declares
+    none, so the runtime differentiates the PyTorch chunked form (and the gradients are right)."""
+    op, calls = kernel_backward(_spec("delta_constant", qk_norm="l2", update="delta", decay="constant"))
+    module = codegen.load_module(op.spec)
+    assert "chunked" not in module.BACKWARD_FORMS
+    with pytest.raises(ValueError, match="constant"):
+        module.chunked_bwd(*[None] * 12)
+    calls.clear()
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, heads=1, head_dim=8, value_dim=6))
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
+    assert not calls
+    assert all(e <= t for _, e, t in rows), rows

@@ -1,0 +1,153 @@
+"""The recurrent form's backward kernels (through Triton's interpreter) against the gradients of
+the float64 interpreter of the spec: q, k, v, g, beta and initial_state, with a loss on the
+output and on the final state. Every test checks that the generated backward ran (not the
+PyTorch fallback) and poisons fresh buffers with NaN, so an unwritten gradient element fails."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import attngen  # noqa: E402
+from attngen import codegen  # noqa: E402
+from attngen.reference import reference  # noqa: E402
+from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance  # noqa: E402
+
+SPECS = {
+    "linear_transformer": dict(feature_map="elu_plus_one", normalize="sum"),
+    "performer": dict(feature_map="favor_plus", favor_plus={"features": 12}, normalize="sum"),
+    "deltanet": dict(update="delta", qk_norm="l2"),
+    "gated_deltanet": dict(update="delta", decay="scalar", qk_norm="l2"),
+    "mamba2": dict(decay="scalar"),
+    "retnet": dict(decay="constant"),
+    "gla": dict(decay="vector"),
+    "kda": dict(update="delta", decay="vector", qk_norm="l2"),
+    "expr_l2_sum": dict(feature_map={"expr": "x*x + 1"}, qk_norm="l2", normalize="sum", decay="scalar"),
+}
+# Further branches of the template: the constant decay's forward-mode dg with the delta rule and
+# with the normalizer.
+EXTRA = {
+    "delta_constant": dict(update="delta", decay="constant", qk_norm="l2"),
+    "sum_constant": dict(feature_map="elu_plus_one", normalize="sum", decay="constant"),
+}
+
+
+def spec_dict(name):
+    return dict(name=f"rb_{name}", attention="linear", **{**SPECS, **EXTRA}[name])
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Fresh floating buffers start as NaN: every gradient element must be written."""
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+
+
+@pytest.fixture
+def kernel_op(monkeypatch):
+    """name -> (op, calls): the op of a spec with its module's recurrent_bwd counted."""
+    def make(name):
+        op = attngen.load(spec_dict(name))
+        module = codegen.load_module(op.spec)
+        assert "recurrent" in module.BACKWARD_FORMS
+        real, calls = module.recurrent_bwd, []
+
+        def counted(*args):
+            calls.append(args[-1] is not None)  # whether a loss reached the final state
+            return real(*args)
+
+        monkeypatch.setattr(module, "recurrent_bwd", counted)
+        return op, calls
+    return make
+
+
+def check(op, calls, shape, dtype, **kw):
+    inputs = random_inputs(op.spec, shape, **kw)
+    rows = compare(op.spec, lambda **args: op(**args, form="recurrent"), inputs, dtype, with_grads=True)
+    assert calls, "the generated recurrent backward did not run"
+    bad = [f"{name}: rel err {err:.2e} > tol {tol:.2e}" for name, err, tol in rows if not err <= tol]
+    assert not bad, "; ".join(bad)
+    names = {name for name, _, _ in rows}
+    assert {"dq", "dk", "dv"} <= names
+    return names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gradients(kernel_op, name, dtype):
+    """Every spec family, K != V, initial state on."""
+    op, calls = kernel_op(name)
+    names = check(op, calls, Shape(2, 7, 2, 8, 6), dtype)
+    assert "dinitial_state" in names and ("dg" in names) == (op.spec.decay != "none")
+
+
+@pytest.mark.parametrize("name,T,initial_state", [
+    ("gated_deltanet", 1, True), ("linear_transformer", 1, False),
+    ("kda", 33, False), ("delta_constant", 33, True), ("performer", 33, False),
+])
+def test_lengths(kernel_op, name, T, initial_state):
+    """A single token (decode) and sequences longer than the recurrent form's default range."""
+    op, calls = kernel_op(name)
+    names = check(op, calls, Shape(1, T, 2, 8, 5), torch.float32, initial_state=initial_state)
+    assert ("dinitial_state" in names) == initial_state
+
+
+@pytest.mark.parametrize("name,dtype,initial_state", [
+    ("kda", torch.float32, True), ("performer", torch.bfloat16, False),
+    ("mamba2", torch.float32, False), ("expr_l2_sum", torch.float32, True), ("sum_constant", torch.float32, True),
+])
+def test_varlen(kernel_op, name, dtype, initial_state):
+    """Packed sequences, one of them a single token; each has its own initial state."""
+    op, calls = kernel_op(name)
+    check(op, calls, Shape(1, 12, 2, 6, 5, cu_seqlens=(0, 1, 5, 12)), dtype, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "gla", "retnet", "expr_l2_sum"])
+def test_strong_decay(kernel_op, name):
+    """Decays down to exp(-20) per token: the reverse-cumsum dg and the state passes stay exact."""
+    op, calls = kernel_op(name)
+    check(op, calls, Shape(2, 9, 1, 8, 4), torch.float32, decay_strength=20.0)
+
+
+@pytest.mark.parametrize("name", ["kda", "sum_constant", "performer"])
+def test_value_blocks(kernel_op, name):
+    """V wider than one value block: dq, dk, dbeta, dg and the normalizer's dd are sums of the
+    blocks' partials."""
+    op, calls = kernel_op(name)
+    check(op, calls, Shape(1, 5, 1, 8, 40), torch.float32)
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "performer"])
+def test_loss_on_output_only(kernel_op, name):
+    """No final state asked for, so no loss reaches it (dht is None): gradients of a loss on o."""
+    op, calls = kernel_op(name)
+    inputs = random_inputs(op.spec, Shape(2, 6, 2, 8, 5))
+    weight = torch.randn(2, 6, 2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+
+    def grads(fn, dtype):
+        leaves = {n: t.detach().clone().to(dtype if n in ("q", "k", "v") else t.dtype).requires_grad_(True)
+                  for n, t in inputs.items()}
+        o, s = fn(**leaves)
+        assert s is None
+        return torch.autograd.grad((o * weight.to(o.dtype)).sum(), list(leaves.values()))
+
+    want = grads(lambda **kw: reference(op.spec, **kw), torch.float64)
+    lowp = grads(lambda **kw: reference(op.spec, **kw, dtype=torch.float32), torch.float32)
+    got = grads(lambda **kw: op(**kw, form="recurrent"), torch.float32)
+    assert calls == [False]
+    for n, a, b, c in zip(inputs, got, want, lowp):
+        err, tol = rel_error(a, b), tolerance(torch.float32, rel_error(c, b))
+        assert err <= tol, f"d{n}: rel err {err:.2e} > tol {tol:.2e}"
