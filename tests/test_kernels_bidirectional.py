@@ -4,27 +4,18 @@ FAVOR+, l2 norm, the sum normalizer, odd lengths, varlen, initial state; outputs
 state fully written. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 
-# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.reference import reference  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.reference import reference
+from attngen.testing import Shape, compare, random_inputs, rel_error
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    """Force the generated kernels (only for these tests: other files keep their backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _spec(name: str, **fields) -> dict:

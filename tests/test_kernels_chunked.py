@@ -3,26 +3,16 @@ float64 interpreter: outputs and final states, through Triton's interpreter on t
 (DESIGN.md §7). Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
-from attngen.reference import reference  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.testing import Shape, compare, random_inputs, rel_error
+from attngen.reference import reference
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    """Force the generated kernels (only for these tests: other files keep their backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _spec(name: str, **fields) -> dict:
@@ -51,7 +41,7 @@ def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", c
           initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
     op = attngen.load(SPECS[name])
     inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
-    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)  # noqa: E731
+    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)
     rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
     assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)

@@ -5,26 +5,16 @@ CPU (DESIGN.md §7). Every check also asserts that the generated backward ran, n
 recompute."""
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.reference import reference  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.reference import reference
+from attngen.testing import Shape, compare, random_inputs, rel_error
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    """Force the generated kernels (only for these tests: other files keep their backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _spec(name: str, **fields) -> dict:
@@ -76,7 +66,7 @@ def check(kernel_backward, spec: dict, shape: Shape, dtype=torch.float32, form: 
           chunk: int | None = 16, initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
     op, calls = kernel_backward(spec)
     inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
-    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)  # noqa: E731
+    fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)
     rows = compare(op.spec, fn, inputs, dtype, with_grads=True)
     where = f"{spec['name']} {form}(chunk={chunk}) {dtype} on {shape}"
     assert calls, f"{where}: the generated chunked backward did not run"

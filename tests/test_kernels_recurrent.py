@@ -1,25 +1,19 @@
 """The recurrent Triton kernel (token loop and decode step) through Triton's interpreter,
 against the interpreter of the spec; the kernel op under torch.compile(fullgraph=True)."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.testing import Shape, compare, random_inputs, rel_error
 
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
-
-from strategies import legal_specs  # noqa: E402
+from strategies import legal_specs
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _causal_linear(spec_dict):

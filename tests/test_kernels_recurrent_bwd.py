@@ -2,17 +2,14 @@
 the float64 interpreter of the spec: q, k, v, g, beta and initial_state, with a loss on the
 output and on the final state. Every test checks that the generated backward ran (not the
 PyTorch fallback) and poisons fresh buffers with NaN, so an unwritten gradient element fails."""
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.reference import reference  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.reference import reference
+from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
 
 SPECS = {
     "linear_transformer": dict(feature_map="elu_plus_one", normalize="sum"),
@@ -37,10 +34,7 @@ def spec_dict(name):
     return dict(name=f"rb_{name}", attention="linear", **{**SPECS, **EXTRA}[name])
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "kernels"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 @pytest.fixture(autouse=True)

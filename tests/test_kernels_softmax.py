@@ -4,27 +4,18 @@ masks, the scalar-decay bias, Tq < Tk, K != V, varlen; outputs and lse fully wri
 outside the mask never read. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
-import os
 from itertools import pairwise
 
-# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.reference import reference, softmax_allowed  # noqa: E402
-from attngen.testing import Shape, compare, random_inputs, rel_error  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.reference import reference, softmax_allowed
+from attngen.testing import Shape, compare, random_inputs, rel_error
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    """Force the generated kernels (only for these tests: other files keep their backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _spec(name: str, **fields) -> dict:

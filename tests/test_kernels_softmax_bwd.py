@@ -6,25 +6,15 @@ that the backward kernels ran (not the PyTorch fallback); gradients fully writte
 query tiles outside the mask never read. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-# Before anything imports triton: kernels run through Triton's interpreter on the CPU.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import attngen  # noqa: E402
-from attngen import codegen  # noqa: E402
-from attngen.testing import LOWP_FLOOR, Shape, compare, outputs_and_grads, random_inputs  # noqa: E402
+import attngen
+from attngen import codegen
+from attngen.testing import LOWP_FLOOR, Shape, compare, outputs_and_grads, random_inputs
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch, tmp_path_factory):
-    """Force the generated kernels (only for these tests: other files keep their backend)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
-    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
+pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
 def _spec(name: str, **fields) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 import attngen
 from attngen.reference import reference
-from attngen.testing import Shape, random_inputs, rel_error, tolerance
+from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = sorted((ROOT / "specs").glob("*.yaml"))
