@@ -341,10 +341,10 @@ def recurrent_bwd_finish_kernel(
             i_row += BTH
         tl.store(dg + i_tok * K + o_f, b_dg, mask=m_f)
         tl.store(dbeta + i_tok, b_db.to(dbeta.dtype.element_ty))
+        b_dq = b_dq * scale
         # [BK] the raw rows; [BF] -> [BK] their gradients
         b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dq = b_dq * scale
         b_q_phi = b_q
         # through x / sqrt(|x|^2 + eps): r (dy - x r^2 (x . dy)), r = 1 / sqrt(|x|^2 + eps)
         b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 0) + 1e-06)

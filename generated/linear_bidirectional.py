@@ -277,9 +277,6 @@ def recurrent_bwd_finish_kernel(
             b_dq += tl.load(dqf + i_row * F + o_f, mask=m_f, other=0.0)
             b_dk += tl.load(dkf + i_row * F + o_f, mask=m_f, other=0.0)
             i_row += BTH
-        # [BK] the raw rows; [BF] -> [BK] their gradients
-        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_dq = b_dq * scale
         tl.store(dq + i_tok * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
         tl.store(dk + i_tok * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)

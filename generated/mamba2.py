@@ -304,9 +304,6 @@ def recurrent_bwd_finish_kernel(
             b_dg += tl.load(dgc + i_row)
             i_row += BTH
         tl.store(dg + i_tok, b_dg)
-        # [BK] the raw rows; [BF] -> [BK] their gradients
-        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_dq = b_dq * scale
         tl.store(dq + i_tok * K + o_k, b_dq.to(dq.dtype.element_ty), mask=m_k)
         tl.store(dk + i_tok * K + o_k, b_dk.to(dk.dtype.element_ty), mask=m_k)

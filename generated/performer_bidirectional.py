@@ -324,10 +324,10 @@ def recurrent_bwd_finish_kernel(
             b_dq += tl.load(dqf + i_row * F + o_f, mask=m_f, other=0.0)
             b_dk += tl.load(dkf + i_row * F + o_f, mask=m_f, other=0.0)
             i_row += BTH
+        b_dq = b_dq * scale
         # [BK] the raw rows; [BF] -> [BK] their gradients
         b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_dq = b_dq * scale
         b_q_s = b_q * x_scale
         b_q_phi = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q_s[None, :], 1) - 0.5 * tl.sum(b_q_s * b_q_s, 0)) * f_scale, 0.0)
         # through exp: dp = phi ⊙ dphi [BF]; through p = Ω x' - |x'|^2 / 2 and x' = x K^-1/4: [BK]
