@@ -66,7 +66,10 @@ def _scale(spec: Spec, scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _cu_seqlens(cu_seqlens, q: torch.Tensor, total: int) -> torch.Tensor:
+def _sequences(cu_seqlens, q: torch.Tensor, batch: int, total: int) -> tuple[int, int]:
+    """(N, longest sequence) of a call: the batch rows, or the checked packed sequences."""
+    if cu_seqlens is None:
+        return batch, total
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
         got = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
         raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1], got {got}")
@@ -81,7 +84,7 @@ def _cu_seqlens(cu_seqlens, q: torch.Tensor, total: int) -> torch.Tensor:
         raise ValueError(f"cu_seqlens: expected to start at 0 and end at T = {total}, got {cu[0]} ... {cu[-1]}")
     if any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {cu}")
-    return cu_seqlens
+    return len(cu) - 1, max(b - a for a, b in zip(cu, cu[1:]))
 
 
 def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None) -> Call:
@@ -120,12 +123,7 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
         raise ValueError(f"beta: this spec has update: additive, so beta must be None; got a tensor {_shape(beta)}")
 
     varlen = cu_seqlens is not None
-    if varlen:
-        cu_seqlens = _cu_seqlens(cu_seqlens, q, T)
-        N = cu_seqlens.numel() - 1
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    else:
-        N, max_len = B, T
+    N, max_len = _sequences(cu_seqlens, q, B, T)
     Vs = V + 1 if spec.normalize == "sum" else V
     if initial_state is not None:
         _tensor("initial_state", initial_state, 4, "[N, H, F, V]")
@@ -160,12 +158,7 @@ def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> C
     elif g is not None:
         raise ValueError(f"g: this spec has decay: none, so g must be None; got a tensor {_shape(g)}")
     varlen = cu_seqlens is not None
-    if varlen:
-        if Tq != Tk:
-            raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
-        cu_seqlens = _cu_seqlens(cu_seqlens, q, Tk)
-        N = cu_seqlens.numel() - 1
-        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    else:
-        N, max_len = B, Tk
+    if varlen and Tq != Tk:
+        raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
+    N, max_len = _sequences(cu_seqlens, q, B, Tk)
     return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen)

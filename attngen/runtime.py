@@ -100,21 +100,22 @@ class Op:
         return o, (ht if output_final_state else None)
 
 
+# Chunk sizes of the chunked kernel.
+KERNEL_CHUNKS = (16, 32, 64)
+
+
 def kernel_form(spec: Spec, choice: planner.Choice, call: Call) -> tuple[str, int]:
     """The kernels serve recurrent, chunked and bidirectional; the parallel form of a causal
     linear spec runs as one chunk of the chunked kernel (up to the largest chunk)."""
     if spec.mask == "bidirectional":
         return "parallel", 1
     if choice.form == "parallel":
-        return "chunked", min(planner.DEFAULT_CHUNK, max(16, 1 << (call.max_len - 1).bit_length()))
+        return "chunked", min(KERNEL_CHUNKS[-1], max(KERNEL_CHUNKS[0], 1 << (call.max_len - 1).bit_length()))
     if choice.form == "chunked":
         if choice.chunk not in KERNEL_CHUNKS:
             raise ValueError(f"chunk_size: the Triton kernels take {', '.join(map(str, KERNEL_CHUNKS))}, "
                              f"got {choice.chunk}")
     return choice.form, choice.chunk
-
-
-KERNEL_CHUNKS = (16, 32, 64)
 
 
 def _kernels_possible() -> bool:
