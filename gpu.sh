@@ -24,8 +24,9 @@ for pass in ${GPU_BENCH-fwd bwd}; do
 done
 [ $# -gt 0 ] || set -- tests/gpu
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
-timeout "${GPU_TESTS_S:-360}" python3 -m pytest -q -n 8 -p no:cacheprovider --timeout=300 --durations=8 "$@" \
+GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n 8 -p no:cacheprovider --timeout=300 --durations=8 "$@" \
   > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests exit $?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
-grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -40
+echo "gpu tests exit $?: $(grep -c ' PASSED ' "$OUT/gpu_tests.log") passed, $(grep -c ' FAILED ' "$OUT/gpu_tests.log") failed"
+grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1
+head -c 4000 "$OUT/gpu_failures.txt" 2>/dev/null
 grep -A10 "slowest" "$OUT/gpu_tests.log" | head -12

@@ -127,7 +127,9 @@ def main():
     dtype = torch.bfloat16
     table = cases(args)
     wanted = [c for c in args.cases.split(",") if c] or list(table)
-    rows = []
+    kind = "fwd+bwd" if args.bwd else "fwd"
+    print(f"\nB{args.B} T{args.T} H{args.H} D{args.D} bf16, {kind}, do_bench median (ms)")
+    print(f"{'case':<20s} {'baseline':<40s} {'attngen':>8s} {'base':>8s} {'ratio':>6s} {'rel diff':>9s} {'floor':>6s}  note")
     for name in wanted:
         spec, extras, base_name, base_fn = table[name]
         op = attngen.load(SPECS / f"{spec}.yaml" if isinstance(spec, str) else spec)
@@ -143,17 +145,12 @@ def main():
             ms = bench(ours, args.bwd, list(t.values()))
             base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
         except Exception as e:  # noqa: BLE001
-            rows.append((name, base_name, float("nan"), float("nan"), float("nan"), float("nan"), float("nan"),
-                         f"{type(e).__name__}: {str(e)[:80]}"))
+            print(f"{name:<20s} {base_name:<40s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         nbytes = sum(x.numel() * x.element_size() for x in (t["q"], t["k"], t["v"])) + o.numel() * o.element_size()
         floor_ms = nbytes / COPY_TBPS * 1e3
-        rows.append((name, base_name, ms, base_ms, ms / base_ms, diff, floor_ms, f"first call {first:.1f}s"))
-    kind = "fwd+bwd" if args.bwd else "fwd"
-    print(f"\nB{args.B} T{args.T} H{args.H} D{args.D} bf16, {kind}, do_bench median (ms)")
-    print(f"{'case':<20s} {'baseline':<40s} {'attngen':>8s} {'base':>8s} {'ratio':>6s} {'rel diff':>9s} {'floor':>6s}  note")
-    for name, base, ms, bms, ratio, diff, floor, note in rows:
-        print(f"{name:<20s} {base:<40s} {ms:8.3f} {bms:8.3f} {ratio:6.2f} {diff:9.2e} {floor:6.3f}  {note}")
+        print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e} {floor_ms:6.3f}"
+              f"  first call {first:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

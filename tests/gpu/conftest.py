@@ -1,0 +1,12 @@
+import os
+
+
+def pytest_runtest_logreport(report):
+    """Each failure goes to $GPU_FAILURES (when set) as it happens, so a run cut short by its
+    time limit still says which tests failed and why."""
+    path = os.environ.get("GPU_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        lines = str(report.longrepr).splitlines()
+        why = [ln for ln in lines if ln.startswith("E ")][-6:] or lines[-6:]
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} [{report.when}, {report.duration:.1f}s]\n  " + "\n  ".join(why) + "\n")
