@@ -555,6 +555,17 @@ def chunked_dot_precision(dtype):
     return "ieee"
 
 
+# Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
+# has 227 KiB; the rest is left to the dots' operand staging).
+PIPELINE_BYTES = 160 * 1024
+
+
+def pipeline_stages(stage_bytes):
+    """num_stages for a loop that loads stage_bytes of tiles per iteration: Triton keeps one copy
+    of them in shared memory per stage (at most 3 stages, at least 1: no prefetch)."""
+    return max(1, min(3, PIPELINE_BYTES // stage_bytes))
+
+
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
@@ -572,6 +583,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     grid = (triton.cdiv(V, BV), N * H)
+    # the tiles one chunk loads: q, k and its transpose, v
+    stage_bytes = chunk * (3 * BK + BV) * q.element_size()
     # Two warps for 64-token chunks: Triton 3.4-3.7 miscompile this kernel's 64-row wgmma dots on
     # Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two warps
     # no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
@@ -581,7 +594,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         BT=chunk, BK=BK, BF=BF, BV=BV,
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
         DOT_PRECISION=chunked_dot_precision(q.dtype),
-        num_warps=2 if chunk == 64 else 4,
+        num_warps=2 if chunk == 64 else 4, num_stages=pipeline_stages(stage_bytes),
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -970,10 +983,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     f32 = dict(device=q.device, dtype=torch.float32)
     h = torch.empty(n_chunks, H, F, VS, **f32)
     norm = c_part = None
-    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper)
+    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper).
+    # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
+    # more than the shared memory holds twice at head dim 128
     num_warps = 2 if chunk == 64 else 4
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=num_warps)
+                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=num_warps, num_stages=1)
     chunked_bwd_states_kernel[(NV, N * H)](
         q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
@@ -998,7 +1014,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunked_bwd_qk_kernel[(n_chunks, H)](
         q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, num_stages=1,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 

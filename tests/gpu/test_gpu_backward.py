@@ -18,10 +18,15 @@ SPECS = sorted((ROOT / "specs").glob("*.yaml"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
-@pytest.mark.parametrize("dname", list(DTYPES))
-@pytest.mark.parametrize("T", [63, 1000, 8192])
-@pytest.mark.parametrize("d", [64, 100, 128])
+def _cases():
+    for path in SPECS:
+        for dname in DTYPES:
+            for T in (63, 1000, 8192):
+                for d in (64, 100, 128):
+                    yield pytest.param(path, dname, T, d, id=f"{path.stem}-{dname}-T{T}-D{d}")
+
+
+@pytest.mark.parametrize("path,dname,T,d", list(_cases()))
 def test_gradients_match_oracle(path, dname, T, d):
     op = attngen.load(path)
     shape = Shape(batch=1, q_len=T, heads=2, head_dim=d, value_dim=d)
