@@ -103,16 +103,18 @@ def outputs_and_grads(fn, spec: Spec, inputs: dict, with_grads: bool, seed: int 
     return result
 
 
-def compare(spec: Spec, op_fn, inputs: dict, dtype: torch.dtype, with_grads: bool = True) -> list[tuple[str, float, float]]:
+def compare(spec: Spec, op_fn, inputs: dict, dtype: torch.dtype, with_grads: bool = True,
+            device: torch.device | str | None = None) -> list[tuple[str, float, float]]:
     """(name, error, tolerance) for every output and gradient of op_fn on inputs in `dtype`,
-    against the float64 oracle. Softmax/linear alike."""
+    against the float64 oracle. Softmax/linear alike. The oracles run where the inputs are;
+    op_fn runs on `device` (default: there too), e.g. CPU oracles for GPU kernels."""
     oracle = lambda **kw: reference(spec, **kw)
     ref = outputs_and_grads(oracle, spec, inputs, with_grads)
     lowp = None
     if dtype != torch.float64:
         low_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
         lowp = outputs_and_grads(lambda **kw: reference(spec, **kw, dtype=dtype), spec, low_inputs, with_grads)
-    run_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    run_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t).to(device or t.device) for n, t in inputs.items()}
     got = outputs_and_grads(op_fn, spec, run_inputs, with_grads)
     rows = []
     for name, r in ref.items():

@@ -140,17 +140,20 @@ def main():
             o = ours()
             torch.cuda.synchronize()
             first = time.time() - t0
-            ref = base_fn(t)
-            diff = rel(o, ref)
             ms = bench(ours, args.bwd, list(t.values()))
-            base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
         except Exception as e:  # noqa: BLE001
-            print(f"{name:<20s} {base_name:<40s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            print(f"{name:<20s} {base_name:<40s} attngen failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         nbytes = sum(x.numel() * x.element_size() for x in (t["q"], t["k"], t["v"])) + o.numel() * o.element_size()
         floor_ms = nbytes / COPY_TBPS * 1e3
-        print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e} {floor_ms:6.3f}"
-              f"  first call {first:.1f}s", flush=True)
+        try:  # a baseline may refuse a case (fla's backward guards on Hopper with Triton < 3.7.1)
+            diff = rel(o.detach(), base_fn(t).detach())
+            base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
+            base = f"{base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e}"
+        except Exception as e:  # noqa: BLE001
+            base = f"{'-':>8s} {'-':>6s} {'-':>9s}"
+            print(f"{name:<20s} {base_name:<40s} baseline failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base} {floor_ms:6.3f}  first call {first:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ import os
 import pytest
 import torch
 
+# The oracles run on the CPU: share its cores among the test processes
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 @pytest.fixture(autouse=True)
 def release_gpu_memory():
-    """Give each test's cached GPU blocks back: several test processes share one GPU, and the
-    float64 oracles of long sequences take gigabytes."""
+    """Give each test's cached GPU blocks back: several test processes share one GPU."""
     yield
     gc.collect()
     torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
 """Forward kernels on the GPU (compiled mode): every shipped spec x dtype x T x head dim
-against the float64 interpreter (the float64 PyTorch chunked form at T = 8192, where the
-token loop is slow), with tolerances relative to the error of the interpreter run in the
+against the float64 interpreter on the CPU (the float64 PyTorch chunked form at T = 8192,
+where the token loop is slow), with tolerances relative to the error of the interpreter run in the
 same low precision (attngen.testing.tolerance).
 
-Run on a CUDA machine: python -m pytest tests/gpu -q -n 8
+Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """
 from pathlib import Path
 
@@ -47,15 +47,16 @@ def test_forward_matches_oracle(path, dname, T, d):
     op = attngen.load(path)
     spec, dtype = op.spec, DTYPES[dname]
     shape = Shape(batch=1, q_len=T, heads=2, head_dim=d, value_dim=d)
-    inputs = {n: t.cuda() for n, t in random_inputs(spec, shape, seed=T + d).items()}
+    inputs = random_inputs(spec, shape, seed=T + d)
     ref_o, ref_s = _oracle(op, inputs, T)
     low = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    gpu = {n: t.cuda() for n, t in low.items()}
     if spec.is_linear:
         lp_o, lp_s = reference(spec, **low, output_final_state=True, dtype=dtype)
-        o, s = op(**low, output_final_state=True)
+        o, s = op(**gpu, output_final_state=True)
     else:
         lp_o, lp_s = reference(spec, **low, dtype=dtype), None
-        o, s = op(**low), None
+        o, s = op(**gpu), None
     assert o.dtype == dtype and torch.isfinite(o).all()
     err, tol = rel_error(o, ref_o), tolerance(dtype, rel_error(lp_o, ref_o))
     assert err <= tol, f"o: rel err {err:.2e} > tol {tol:.2e}"
@@ -73,8 +74,8 @@ def test_varlen_and_initial_state(path, dname):
     op = attngen.load(path)
     spec, dtype = op.spec, DTYPES[dname]
     shape = Shape(batch=1, q_len=VARLEN[-1], heads=2, head_dim=64, value_dim=48, cu_seqlens=VARLEN)
-    inputs = {n: t.cuda() for n, t in random_inputs(spec, shape, seed=5).items()}
-    rows = compare(spec, lambda **kw: op(**kw), inputs, dtype, with_grads=False)
+    inputs = random_inputs(spec, shape, seed=5)
+    rows = compare(spec, lambda **kw: op(**kw), inputs, dtype, with_grads=False, device="cuda")
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
 
@@ -84,7 +85,7 @@ def test_varlen_and_initial_state(path, dname):
 def test_softmax_fewer_queries_than_keys(name, tq):
     op = attngen.load(ROOT / "specs" / f"{name}.yaml")
     shape = Shape(batch=2, q_len=tq, heads=2, head_dim=128, value_dim=128, k_len=3000)
-    inputs = {n: t.cuda() for n, t in random_inputs(op.spec, shape, seed=tq).items()}
-    rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.bfloat16, with_grads=False)
+    inputs = random_inputs(op.spec, shape, seed=tq)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.bfloat16, with_grads=False, device="cuda")
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
