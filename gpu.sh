@@ -8,7 +8,8 @@
 # ("fwd bwd" by default, "" for none). Each part has its own time limit (GPU_BENCH_S per pass,
 # GPU_TESTS_S, seconds) so that every part's output comes back; full logs go to $OUT (when
 # set); short tables are printed. Compiled kernels are cached in .triton_cache, so a second
-# call on a machine still warm skips their compilation.
+# call on a machine still warm skips their compilation; the tests of one spec run in one
+# process (--dist loadgroup), so each kernel variant is compiled once.
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/attngen_out}
@@ -26,7 +27,7 @@ for pass in ${GPU_BENCH-fwd bwd}; do
 done
 [ $# -gt 0 ] || set -- tests/gpu
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
-GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n 6 -p no:cacheprovider --timeout=300 --durations=8 "$@" \
+GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n 6 --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?: $(grep -c ' PASSED ' "$OUT/gpu_tests.log") passed, $(grep -c ' FAILED ' "$OUT/gpu_tests.log") failed"
 grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1

@@ -25,7 +25,8 @@ def _cases():
             for T, dims in ((1, (32, 64, 100, 128, 256)), (63, (32, 64, 100, 128, 256)),
                             (1000, (32, 64, 100, 128, 256)), (8192, (64, 128))):
                 for d in dims:
-                    yield pytest.param(path, dname, T, d, id=f"{path.stem}-{dname}-T{T}-D{d}")
+                    yield pytest.param(path, dname, T, d, id=f"{path.stem}-{dname}-T{T}-D{d}",
+                                       marks=pytest.mark.xdist_group(path.stem))
 
 
 def _oracle(op, inputs, T):
