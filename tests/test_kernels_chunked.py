@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
 from attngen.testing import Shape, compare, random_inputs, rel_error
 from attngen.reference import reference
 
+from strategies import legal_specs
+
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
+
+
+def _causal_linear(spec_dict):
+    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
 
 
 def _spec(name: str, **fields) -> dict:
@@ -142,3 +150,20 @@ def test_chunk_size_checked():
     with pytest.raises(ValueError, match="chunk"):
         module.chunked_fwd(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), inputs["g"], None,
                            None, None, None, 1.0, 8, False)
+
+
+CHUNKED_SHAPES = [Shape(2, 37, 2, 5, 3), Shape(1, 40, 1, 8, 12),
+                  Shape(1, 45, 2, 6, 4, cu_seqlens=(0, 1, 20, 45))]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(legal_specs().filter(_causal_linear), st.sampled_from(CHUNKED_SHAPES),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_any_legal_spec_matches_interpreter(spec_dict, shape, dtype, initial_state):
+    """Any legal causal linear spec, chunks of 16 with a partial last one, varlen, K != V:
+    outputs and final state."""
+    op = attngen.load(spec_dict)
+    inputs = random_inputs(op.spec, shape, initial_state=initial_state)
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, dtype, with_grads=False)
+    for name, err, tol in rows:
+        assert err <= tol, f"{name}: rel err {err:.2e} > tol {tol:.2e}"

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import Shape, compare, random_inputs, rel_error
+
+from strategies import STRICTLY_POSITIVE_MAPS, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -196,3 +200,23 @@ def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backwa
     rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
     assert not calls
     assert all(e <= t for _, e, t in rows), rows
+
+
+def _causal_linear(spec_dict):
+    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(legal_specs(sum_maps=STRICTLY_POSITIVE_MAPS, contractive_delta=True).filter(_causal_linear),
+       st.sampled_from([Shape(2, 37, 2, 5, 3), Shape(1, 45, 2, 6, 4, cu_seqlens=(0, 1, 20, 45))]), st.booleans())
+def test_any_legal_spec_gradients(spec_dict, shape, initial_state):
+    """Any legal causal linear spec in the float32 regime of tests/test_forms.py (strictly
+    positive maps under the normalizer, unit keys under the delta rule; a constant decay's dg, one
+    number per head, is checked in float64 there): every gradient through the chunked kernels."""
+    op = attngen.load(spec_dict)
+    inputs = random_inputs(op.spec, shape, initial_state=initial_state)
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
+    for name, err, tol in rows:
+        if name == "dg" and op.spec.decay == "constant":
+            continue
+        assert err <= tol, f"{name}: rel err {err:.2e} > tol {tol:.2e}"
