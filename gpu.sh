@@ -22,8 +22,8 @@ fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 for pass in ${GPU_BENCH-fwd bwd}; do
   flag=$([ "$pass" = bwd ] && echo --bwd)
-  timeout "${GPU_BENCH_S:-180}" python3 bench/bench.py $flag ${BENCH_ARGS:-} > "$OUT/bench_$pass.txt" 2>&1
-  echo "bench $pass exit $?"; tail -16 "$OUT/bench_$pass.txt"
+  timeout "${GPU_BENCH_S:-180}" python3 bench/bench.py $flag --profile ${BENCH_ARGS:-} > "$OUT/bench_$pass.txt" 2>&1
+  echo "bench $pass exit $?"; grep -v Warning "$OUT/bench_$pass.txt" | tail -c 5000
 done
 [ $# -gt 0 ] || set -- tests/gpu
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0

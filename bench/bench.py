@@ -2,10 +2,11 @@
 FlexAttention on the same inputs, in one process (BENCHMARKS.md method: do_bench median,
 random inputs, outputs checked in the same run).
 
-    python bench/bench.py [--bwd] [--cases gdn,delta,...] [--B 4 --T 8192 --H 16 --D 128]
+    python bench/bench.py [--bwd] [--profile] [--cases gdn,delta,...] [--B 4 --T 8192 --H 16 --D 128]
 
 Prints a table; each row also gives the relative difference between attngen and the baseline
 output and the roofline floor (bytes of q, k, v, o at the measured copy bandwidth).
+--profile adds, under each row, attngen's GPU kernels and their time per call (torch.profiler).
 """
 from __future__ import annotations
 
@@ -39,6 +40,28 @@ def bench(fn, bwd=False, inputs=()):
     out = out[0] if isinstance(out, tuple) else out
     grad = torch.randn_like(out)
     return triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
+
+
+def profile(fn, bwd, inputs, reps=5):
+    """[(kernel name, microseconds per call)] of fn's GPU kernels, slowest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def step():
+        out = fn()
+        if bwd:
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.ones_like(out))
+            for t in inputs:
+                t.grad = None
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / reps) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def rel(a, b):
@@ -75,6 +98,14 @@ def cases(args):
         from fla.ops.linear_attn import chunk_linear_attn
         from fla.ops.simple_gla import chunk_simple_gla
         have_fla = True
+        if args.bwd:
+            # fla refuses its gated backward on Hopper with Triton < 3.7.1 (fla issue #640: wrong
+            # dβ/dg there). Its time is still the baseline's time: the guard is turned off for
+            # timing; only outputs are compared, never its gradients.
+            import fla.ops.common.chunk_o as fla_chunk_o
+            if not fla_chunk_o.TRITON_ABOVE_3_7_1:
+                fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+                print("fla: gated backward timed with its Triton < 3.7.1 guard off (gradients not compared)")
     except Exception as e:  # noqa: BLE001
         print(f"fla unavailable: {e}")
         have_fla = False
@@ -123,6 +154,7 @@ def main():
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--bwd", action="store_true")
     p.add_argument("--cases", default="")
+    p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     dtype = torch.bfloat16
     table = cases(args)
@@ -154,6 +186,9 @@ def main():
             base = f"{'-':>8s} {'-':>6s} {'-':>9s}"
             print(f"{name:<20s} {base_name:<40s} baseline failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
         print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base} {floor_ms:6.3f}  first call {first:.1f}s", flush=True)
+        if args.profile:
+            for kernel, us in profile(ours, args.bwd, list(t.values()))[:8]:
+                print(f"    {us:9.1f} us  {kernel[:90]}", flush=True)
 
 
 if __name__ == "__main__":
