@@ -92,7 +92,7 @@ class Op:
             self._kernels = kernels_for(self)
         module = self._kernels
         if not self.spec.is_linear:
-            return module.op(q, k, v, g, cu_seqlens, call.scale)[0]
+            return module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len)[0]
         omega = self.features(call.head_dim, q.device, torch.float32)
         form, chunk = kernel_form(self.spec, choice, call)
         o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
@@ -181,7 +181,7 @@ def _attach_autograd(op: Op, module) -> None:
                     outs.append(ht)
                     douts.append(grads[1])
             else:
-                (scale,) = ctx.rest
+                scale = ctx.rest[0]
                 call = check_softmax(op.spec, **args, scale=scale)
                 choice = planner.Choice("parallel", 1, "recomputed for the backward")
                 outs = [op._run_torch(call, choice, **args, beta=None, initial_state=None,

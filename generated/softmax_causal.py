@@ -163,16 +163,23 @@ def _pow2_floor(n):
     return 1 << (max(n, 1).bit_length() - 1)
 
 
-def softmax_fwd(q, k, v, g, cu_seqlens, scale):
+def packed_max_len(cu_seqlens, max_len):
+    """The longest packed sequence: max_len when the caller knows it, else read back from
+    cu_seqlens (a device sync)."""
+    return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] contiguous (g
-    [B, Tk, H] the log decay, or None) -> o [B, Tq, H, V] and lse float32 [B, H, Tq]
-    ([H, total] with cu_seqlens), the natural-log log-sum-exp of each query's scores."""
+    [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
+    -> o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, total] with cu_seqlens), the
+    natural-log log-sum-exp of each query's scores."""
     B, Tq, H, K = q.shape
     Tk, V = k.shape[1], v.shape[-1]
     if cu_seqlens is None:
         N, max_len = B, Tq
     else:
-        N, max_len = cu_seqlens.numel() - 1, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        N, max_len = cu_seqlens.numel() - 1, packed_max_len(cu_seqlens, max_len)
     is_fp64 = q.dtype == torch.float64
     qk_scale = scale * LOG2E
     if is_fp64:
@@ -486,7 +493,7 @@ def _bwd_blocks(max_len, BK, BV, size, acc_size):
     return block, tile, 8 if block * (BK + BV) > 4096 else 4
 
 
-def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do):
+def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     """Launch the backward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V], g [B, Tk, H] or
     None, o and do [B, Tq, H, V] (all contiguous), lse the forward's float32 [B, H, Tq] ([H, total]
     packed) -> dq, dk, dv, dg (None without decay)."""
@@ -496,7 +503,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do):
         N, max_q, max_k = B, Tq, Tk
     else:
         N = cu_seqlens.numel() - 1
-        max_q = max_k = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        max_q = max_k = packed_max_len(cu_seqlens, max_len)
     is_fp64 = q.dtype == torch.float64
     acc = torch.float64 if is_fp64 else torch.float32
     qk_scale, ds_scale, q_in = scale * LOG2E, scale, q
@@ -552,14 +559,15 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do):
 @torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba_softmax_bwd", mutates_args=())
 def softmax_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], o: torch.Tensor, lse: torch.Tensor,
+    do: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, o, lse, do)
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
     return dq, dk, dv, dg if dg is not None else q.new_empty(0)
 
 
 @softmax_bwd_op.register_fake
-def _(q, k, v, g, cu_seqlens, scale, o, lse, do):
+def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
         torch.empty_like(g) if g is not None else q.new_empty(0)
 
@@ -567,35 +575,37 @@ def _(q, k, v, g, cu_seqlens, scale, o, lse, do):
 SOFTMAX_BACKWARD = ("parallel",)
 
 
-def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do):
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
-    decay, None for cu_seqlens). lse is the forward's float32 [B, H, Tq] ([H, total] packed)."""
+    decay, None for cu_seqlens). lse is the forward's float32 [B, H, Tq] ([H, total] packed);
+    max_len the longest packed sequence (read from cu_seqlens when None)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
-    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, o, lse, do)
+    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
     return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel form: parallel (the FlashAttention-2 forward above). The op returns the output and
 # the log-sum-exp of each query's scores, which a backward reuses.
 
-def forward(q, k, v, g, cu_seqlens, scale):
-    """Run the forward kernel. Returns o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
+def forward(q, k, v, g, cu_seqlens, scale, max_len):
+    """Run the forward kernel (max_len: the longest packed sequence, with cu_seqlens). Returns
+    o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
-    return softmax_fwd(q, k, v, g, cu_seqlens, scale)
+    return softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len)
 
 
 @torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float,
+    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, g, cu_seqlens, scale)
+    return forward(q, k, v, g, cu_seqlens, scale, max_len)
 
 
 @op.register_fake
-def _(q, k, v, g, cu_seqlens, scale):
+def _(q, k, v, g, cu_seqlens, scale, max_len):
     B, Tq, H, _ = q.shape
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
@@ -605,6 +615,6 @@ def _(q, k, v, g, cu_seqlens, scale):
 BACKWARD_FORMS = SOFTMAX_BACKWARD
 
 
-def backward(q, k, v, g, cu_seqlens, scale, o, lse, do, dlse):
+def backward(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order."""
-    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do)
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len)
