@@ -26,9 +26,14 @@ SPECS = Path(__file__).resolve().parents[1] / "specs"
 COPY_TBPS = 4.3e12     # measured device-to-device copy, H200 (BENCHMARKS.md)
 
 
-def bench(fn, bwd=False, inputs=()):
+def make_step(fn, bwd, inputs):
+    """fn itself, or (bwd) a forward + backward step of it with a fixed output gradient,
+    clearing the inputs' .grad after each."""
     if not bwd:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return fn
+    out = fn()
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
 
     def step():
         out = fn()
@@ -36,9 +41,13 @@ def bench(fn, bwd=False, inputs=()):
         out.backward(grad)
         for t in inputs:
             t.grad = None
-    out = fn()
-    out = out[0] if isinstance(out, tuple) else out
-    grad = torch.randn_like(out)
+    return step
+
+
+def bench(fn, bwd=False, inputs=()):
+    step = make_step(fn, bwd, inputs)
+    if not bwd:
+        return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
     return triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
 
 
@@ -47,13 +56,7 @@ def profile(fn, bwd, inputs, reps=5):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    def step():
-        out = fn()
-        if bwd:
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(torch.ones_like(out))
-            for t in inputs:
-                t.grad = None
+    step = make_step(fn, bwd, inputs)
     step()
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:

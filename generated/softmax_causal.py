@@ -26,7 +26,6 @@ def interpreted():
     """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
-
 # ---------------------------------------------------------------------------- softmax forward
 # FlashAttention-2 forward. One program per (query block, sequence x head) keeps its query
 # tile [BM, BK], the output accumulator [BM, BV] and the online-softmax row statistics

@@ -86,6 +86,11 @@ def softmax_specs(draw) -> dict:
     return spec
 
 
+def causal_linear(spec_dict: dict) -> bool:
+    """A filter for legal_specs(): the causal linear specs (the recurrent and chunked kernels')."""
+    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
+
+
 def legal_specs(attention: str | None = None, sum_maps: tuple[str, ...] = POSITIVE_MAPS,
                 contractive_delta: bool = False) -> st.SearchStrategy[dict]:
     """Spec dicts from the whole legal spec space (or one attention family). sum_maps: the

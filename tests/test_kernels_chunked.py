@@ -13,14 +13,10 @@ from attngen import codegen
 from attngen.testing import Shape, compare, random_inputs, rel_error
 from attngen.reference import reference
 
-from strategies import legal_specs
+from strategies import causal_linear, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
-
-
-def _causal_linear(spec_dict):
-    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
 
 
 def _spec(name: str, **fields) -> dict:
@@ -157,7 +153,7 @@ CHUNKED_SHAPES = [Shape(2, 37, 2, 5, 3), Shape(1, 40, 1, 8, 12),
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(legal_specs().filter(_causal_linear), st.sampled_from(CHUNKED_SHAPES),
+@given(legal_specs().filter(causal_linear), st.sampled_from(CHUNKED_SHAPES),
        st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
 def test_any_legal_spec_matches_interpreter(spec_dict, shape, dtype, initial_state):
     """Any legal causal linear spec, chunks of 16 with a partial last one, varlen, K != V:

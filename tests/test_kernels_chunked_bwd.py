@@ -15,7 +15,7 @@ from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import Shape, compare, random_inputs, rel_error
 
-from strategies import STRICTLY_POSITIVE_MAPS, legal_specs
+from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -202,12 +202,8 @@ def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backwa
     assert all(e <= t for _, e, t in rows), rows
 
 
-def _causal_linear(spec_dict):
-    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
-
-
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(legal_specs(sum_maps=STRICTLY_POSITIVE_MAPS, contractive_delta=True).filter(_causal_linear),
+@given(legal_specs(sum_maps=STRICTLY_POSITIVE_MAPS, contractive_delta=True).filter(causal_linear),
        st.sampled_from([Shape(2, 37, 2, 5, 3), Shape(1, 45, 2, 6, 4, cu_seqlens=(0, 1, 20, 45))]), st.booleans())
 def test_any_legal_spec_gradients(spec_dict, shape, initial_state):
     """Any legal causal linear spec in the float32 regime of tests/test_forms.py (strictly

@@ -10,18 +10,14 @@ import attngen
 from attngen import codegen
 from attngen.testing import Shape, compare, random_inputs, rel_error
 
-from strategies import legal_specs
+from strategies import causal_linear, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
 
-def _causal_linear(spec_dict):
-    return spec_dict["attention"] == "linear" and spec_dict.get("mask", "causal") == "causal"
-
-
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(legal_specs().filter(_causal_linear),
+@given(legal_specs().filter(causal_linear),
        st.sampled_from([Shape(2, 7, 2, 5, 3), Shape(1, 9, 1, 8, 12), Shape(1, 12, 2, 6, 4, cu_seqlens=(0, 1, 5, 12))]),
        st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
 def test_recurrent_kernel_matches_interpreter(spec_dict, shape, dtype, initial_state):
