@@ -270,10 +270,12 @@ MEMORY = {
                "the backward recomputes the scores tile by tile",
     "bidirectional": "training memory (kernels): the forward saves o; the backward recomputes through the "
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
-    "causal": "training memory (kernels): the forward saves o and the final state; the recurrent backward keeps "
-              "per-token partials, O(T (K + V)) per head times the value blocks; the chunked backward "
-              "recomputes the chunk-start states (T/C x F x V floats per head, float32) and per-value-block "
-              "dq/dk partials, transient inside the backward",
+    "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
+              "keeps the chunk-start states (T/C x F x V floats per head, float32; with the delta rule also "
+              "the written values and the UT transform's (I + A)^-1, T x (V + C) floats) only during the "
+              "call; the recurrent backward keeps per-token partials, O(T (K + V)) per head times the value "
+              "blocks; the chunked backward recomputes the chunk-start states and per-value-block dq/dk "
+              "partials, transient inside the backward",
 }
 
 

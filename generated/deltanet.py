@@ -386,14 +386,21 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
-# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
-# program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
-# keeps the state block [BF, BV] in registers. Per chunk:
-#   q, k -> features [BT, BF] (phi, l2 norm, scale; padded tokens give zero features)
-#   P [BT, BT] decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-#   UT transform: A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), (I + A)^-1 by forward
-#     substitution row by row, W = (I + A)^-1 diag(β) (K ⊙ Γ), U = (I + A)^-1 diag(β) V - W S
-#   O = (Q ⊙ Γ) S + P U; S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
+# passes over chunks of BT tokens:
+#   1. chunked_ut_kernel, chunk-parallel (per chunk slot and head): the UT transform's
+#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by forward substitution row by row
+#   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
+#      block [BF, BV] in registers): stores each chunk's start state S_c,
+#      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
+#      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop
+#   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U
+# Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
+# padded tokens give zero features).
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32, the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
+# live only during the call: O(T F V / BT) per head.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -424,18 +431,150 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def chunked_fwd_kernel(
+def chunked_ut_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT], row t stored with token t
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    m_strict = o_i[:, None] > o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    # [BT, BK] -> [BT, BF]
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    # [BK, BT] -> [BF, BT] the keys transposed by the load
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BT] (0 on padded tokens)
+    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+    # [BT, BT] A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T)
+    b_A = tl.where(m_strict, chunked_dot(b_k, b_kt, DOT_PRECISION), 0.0) * b_beta[:, None]
+    # [BT, BT] (I + A)^-1 by forward substitution: row i = e_i - sum_{s < i} A_is row s
+    b_Ai = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        m_row = o_i[:, None] == i
+        b_a = tl.sum(tl.where(m_row, b_A, 0.0), 0)
+        b_Ai = tl.where(m_row, b_Ai - tl.sum(b_a[:, None] * b_Ai, 0)[None, :], b_Ai)
+    tl.store(ai + o_tok[:, None] * BT + o_i[None, :], b_Ai, mask=m_t[:, None])
+
+
+@triton.jit
+def chunked_states_kernel(
+    # pointers
+    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # one program per (value block, sequence x head): the sequential pass over the chunks
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    for i_c in range(0, tl.cdiv(T_seq, BT)):
+        # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BK, BT] -> [BF, BT] the keys transposed by the load
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+        # [BT, BV]
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        # the values the chunk's delta updates write: U = (I + A)^-1 diag(β) V - W S with
+        # W = (I + A)^-1 diag(β) (K ⊙ Γ), (I + A)^-1 from chunked_ut_kernel
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+        b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        b_w = chunked_dot(b_Ai, b_k * b_beta[:, None], DOT_PRECISION)
+        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION) - chunked_dot(b_w, b_h, DOT_PRECISION)
+        if STORE_U:
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
+        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+        b_kt_rest = b_kt
+        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+
+    if STORE_HT:
+        tl.store(ht + o_state, b_h, mask=m_state)
+
+
+@triton.jit
+def chunked_output_kernel(
+    # pointers
+    q, k, v, g, omega, u, h, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
+    # state S_c
+    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_v, i_h = i_vh // H, i_vh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
@@ -450,61 +589,32 @@ def chunked_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     # [BT, BT] token s may reach token t of the same chunk: s <= t
     m_causal = o_i[:, None] >= o_i[None, :]
-    m_strict = o_i[:, None] > o_i[None, :]
-
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BT, BK] -> [BT, BF]
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
-        b_q = b_q * scale
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT] (0 on padded tokens)
-        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-        # [BT, BT]
-        b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
-        b_A = tl.where(m_strict, chunked_dot(b_k, b_kt, DOT_PRECISION), 0.0) * b_beta[:, None]
-        b_qg = b_q
-        # [BT, BT] (I + A)^-1 by forward substitution: row i = e_i - sum_{s < i} A_is row s
-        b_Ai = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-        for i in range(1, BT):
-            m_row = o_i[:, None] == i
-            b_a = tl.sum(tl.where(m_row, b_A, 0.0), 0)
-            b_Ai = tl.where(m_row, b_Ai - tl.sum(b_a[:, None] * b_Ai, 0)[None, :], b_Ai)
-        # [BT, BF] W = (I + A)^-1 diag(β) (K ⊙ Γ)
-        b_w = chunked_dot(b_Ai, b_k * b_beta[:, None], DOT_PRECISION)
-        # [BT, BV] U = (I + A)^-1 diag(β) V - W S: the values the chunk's delta updates write
-        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION) - chunked_dot(b_w, b_h, DOT_PRECISION)
-        # [BT, BV]
-        b_o = chunked_dot(b_qg, b_h, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-        # [BF, BT] (K ⊙ Γ_C/Γ)^T
-        b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
-
-    if STORE_HT:
-        tl.store(ht + o_state, b_h, mask=m_state)
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tv = m_t[:, None] & m_v[None, :]
+    # [BT, BK] -> [BT, BF]
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+    b_q = b_q * scale
+    # [BK, BT] -> [BF, BT] the keys transposed by the load
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
+    b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
+    b_qg = b_q
+    # [BF, BV] the chunk-start state (slot i_s)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
+    b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_o = chunked_dot(b_qg, b_hc, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
+    tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 def chunked_dot_precision(dtype):
-    """The chunked kernel's DOT_PRECISION for inputs of this dtype."""
+    """The chunked kernels' DOT_PRECISION for inputs of this dtype."""
     if dtype == torch.float16:
         return "fp16"
     if dtype == torch.bfloat16:
@@ -523,6 +633,72 @@ def pipeline_stages(stage_bytes):
     return max(1, min(3, PIPELINE_BYTES // stage_bytes))
 
 
+def chunk_slots(cu_seqlens, B, T, chunk):
+    """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
+    chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
+    chunk_seq[slot] is the slot's sequence. sum_n cdiv(len_n, chunk) <= cdiv(T, chunk) + N bounds
+    the slots without reading the lengths back to the host; spare slots map past the last
+    sequence's end."""
+    if cu_seqlens is None:
+        return None, None, B * triton.cdiv(T, chunk)
+    N = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+    ends = torch.cumsum(lens, 0)
+    n_slots = triton.cdiv(T, chunk) + N
+    chunk_seq = torch.searchsorted(ends, torch.arange(n_slots, device=cu_seqlens.device), right=True).clamp_(max=N - 1)
+    return ends - lens, chunk_seq, n_slots
+
+
+def chunked_blocks(K, V, F):
+    """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
+    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
+    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
+    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    return BK, BF, BV
+
+
+def chunked_warps(chunk):
+    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompiled the chunked kernels' 64-row wgmma
+    # dots on Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two
+    # warps no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
+    return 2 if chunk == 64 else 4
+
+
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
+    """The UT transform (chunked_ut_kernel) and the sequential pass: ->
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
+    n_slots). Shared by the forward and the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF, BV = chunked_blocks(K, V, F)
+    chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=chunked_warps(chunk))
+    ai = torch.empty(B, T, H, chunk, **f32)
+    chunked_ut_kernel[(n_slots, H)](
+        k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
+        T, H, K, F, K ** -0.25, F ** -0.5, **meta,
+    )
+    h = torch.empty(n_slots, H, F, VS, **f32)
+    u = torch.empty(B, T, H, V, **f32) if store_u else None
+    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    # the tiles one chunk loads: k transposed, v, k, β and (I + A)^-1 [BT, BT] float32
+    stage_bytes = chunk * (2 * BK + BV) * q.element_size() + chunk * chunk * 4
+    chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
+        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
+        num_stages=pipeline_stages(stage_bytes), **meta,
+    )
+    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+
+
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
@@ -532,26 +708,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    BK, BF, BV = chunked_blocks(K, V, F)
+    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=True)
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
-    # the tiles one chunk loads: q, k and its transpose, v
-    stage_bytes = chunk * (3 * BK + BV) * q.element_size()
-    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompile this kernel's 64-row wgmma dots on
-    # Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two warps
-    # no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
-    chunked_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        DOT_PRECISION=chunked_dot_precision(q.dtype),
-        num_warps=2 if chunk == 64 else 4, num_stages=pipeline_stages(stage_bytes),
+    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(chunk),
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -565,10 +730,10 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 #   dq̂ = (dO h_c^T) + dP K̂
 #   dk̂ = (U dS^T) + dP^T Q̂ + diag(β) dY + diag(β) dA K̂ + (diag(β) dA)^T K̂   (dP, dA through the decay ratios)
 #   dS <- dS + Q̂^T dO - W^T dU
-# T^T, W^T, U^T are built transposed (T^T by column substitution on A^T), so no value is transposed.
+# T^T (chunked_ut_kernel's T, loaded transposed), W^T, U^T are built transposed, so no value is transposed.
 # Three kernels:
-#   1. chunked_bwd_states_kernel, per (value block, sequence x head), forward over chunks:
-#      recomputes (the UT transform included) and stores every chunk-start state h_c.
+#   1. the forward's chunked_ut_kernel and chunked_states_kernel (chunked_states): every
+#      chunk-start state h_c, recomputed.
 #   2. chunked_bwd_delta_kernel, per (value block, sequence x head), chunks in reverse with dS
 #      [BF, BV] in registers (from the final state's gradient): dv, the value block's shares of dq̂,
 #      dk̂, dβ, dP_tt; after chunk 0, dS is the initial state's gradient.
@@ -582,81 +747,9 @@ CHUNKED_BACKWARD = ("chunked",)
 
 
 @triton.jit
-def chunked_bwd_states_kernel(
-    # pointers
-    q, k, v, g, beta, omega, h0, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-    # dims
-    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    m_strict = o_i[:, None] > o_i[None, :]
-
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, kept for the reverse walk: [chunks, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # the values the chunk's delta updates write, as the forward computes them:
-        # U = (I + A)^-1 diag(β) V - W S, W = (I + A)^-1 diag(β) (K ⊙ Γ)
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-        b_A = tl.where(m_strict, chunked_dot(b_k, b_kt, DOT_PRECISION), 0.0) * b_beta[:, None]
-        b_kg = b_k
-        # [BT, BT] (I + A)^-1 by forward substitution: row i = e_i - sum_{s < i} A_is row s
-        b_Ai = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-        for i in range(1, BT):
-            m_row = o_i[:, None] == i
-            b_a = tl.sum(tl.where(m_row, b_A, 0.0), 0)
-            b_Ai = tl.where(m_row, b_Ai - tl.sum(b_a[:, None] * b_Ai, 0)[None, :], b_Ai)
-        b_w = chunked_dot(b_Ai, b_kg * b_beta[:, None], DOT_PRECISION)
-        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION) - chunked_dot(b_w, b_h, DOT_PRECISION)
-        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
-
-
-@triton.jit
 def chunked_bwd_delta_kernel(
     # pointers
-    q, k, v, g, beta, omega, do, dht, h, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
+    q, k, v, g, beta, omega, do, dht, h, ai, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
     dv, dh0, cu_seqlens, chunk_offsets,
     # dims
     T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
@@ -673,7 +766,7 @@ def chunked_bwd_delta_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
     if IS_VARLEN:
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
@@ -684,9 +777,8 @@ def chunked_bwd_delta_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT, BT] s < t in [t, s]; s < t and s <= t in [s, t]
+    # [BT, BT] s < t in [t, s]; s <= t in [s, t]
     m_strict = o_i[:, None] > o_i[None, :]
-    m_strict_t = o_i[:, None] < o_i[None, :]
     m_causal_t = o_i[:, None] <= o_i[None, :]
     # this value block's rows of the [NV, B * T * H, *] shares (int64)
     o_part = i_v.to(tl.int64) * NTOK * H
@@ -723,19 +815,12 @@ def chunked_bwd_delta_kernel(
         # [BV, BF] the chunk-start state transposed by the load
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        # [BT, BT] k̂_t.k̂_s, symmetric: with the decay ratios it is Ak [t, s] and Ak^T [s, t] (s < t)
+        # [BT, BT] k̂_t.k̂_s: with the decay ratios it is Ak [t, s] (s < t)
         b_M = chunked_dot(b_k, b_kt, DOT_PRECISION)
         b_Ak = tl.where(m_strict, b_M, 0.0)
-        b_Akt = tl.where(m_strict_t, b_M, 0.0)
         b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
-        # [BT, BT] T^T = (I + A^T)^-1, A^T [s, t] = β_t Ak_ts, column by column: column i of T^T is
-        # e_i - T^T a_i with a_i the column i of A^T (the forward's rows of T, transposed)
-        b_At = b_Akt * b_beta[None, :]
-        b_Tt = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-        for i in range(1, BT):
-            m_col = o_i[None, :] == i
-            b_a = tl.sum(tl.where(m_col, b_At, 0.0), 1)
-            b_Tt = tl.where(m_col, b_Tt - tl.sum(b_Tt * b_a[None, :], 1)[:, None], b_Tt)
+        # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
+        b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
         # [BF, BT] Y^T = (diag(β) (K̂ ⊙ Γ))^T and W^T = Y^T T^T; [BV, BT] X^T = (diag(β) V)^T and
         # U^T = X^T T^T - h_c^T W^T: the values the chunk's delta updates write
         b_yt = b_kt * b_beta[None, :]
@@ -878,35 +963,18 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # the forward's blocks
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    BK, BF, BV = chunked_blocks(K, V, F)
     NV = triton.cdiv(V, BV)
-    if cu_seqlens is None:
-        chunk_offsets = chunk_seq = None
-        n_chunks = B * triton.cdiv(T, chunk)
-    else:
-        # each sequence's first chunk slot, and each slot's sequence. sum_n cdiv(len_n, chunk) <=
-        # cdiv(T, chunk) + N bounds the slots without reading the lengths back to the host
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-        ends = torch.cumsum(lens, 0)
-        chunk_offsets = ends - lens
-        n_chunks = triton.cdiv(T, chunk) + N
-        chunk_seq = torch.searchsorted(ends, torch.arange(n_chunks, device=q.device), right=True).clamp_(max=N - 1)
+    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
+    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    h = torch.empty(n_chunks, H, F, VS, **f32)
-    norm = c_part = None
-    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper).
+    num_warps = chunked_warps(chunk)
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
     # more than the shared memory holds twice at head dim 128
-    num_warps = 2 if chunk == 64 else 4
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
                 num_warps=num_warps, num_stages=1)
-    chunked_bwd_states_kernel[(NV, N * H)](
-        q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
-    )
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
     dd_part = torch.empty(NV, B, T, H, **f32)
@@ -916,7 +984,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dkr_part = torch.empty(NV, B, T, H, F, **f32)
     db_part = torch.empty(NV, B, T, H, **f32)
     chunked_bwd_delta_kernel[(NV, N * H)](
-        q, k, v, g, beta, omega, do, dht, h, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
+        q, k, v, g, beta, omega, do, dht, h, ai, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
         dv, dh0, cu_seqlens, chunk_offsets,
         T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
     )

@@ -400,12 +400,18 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
-# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
-# program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
-# keeps the state block [BF, BV] in registers with the normalizer z [BF]. Per chunk:
-#   q, k -> features [BT, BF] (phi, l2 norm, scale; padded tokens give zero features)
-#   P [BT, BT] decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-#   O = (Q ⊙ Γ) S + P U, divided by z.q + eps; S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in two
+# passes over chunks of BT tokens:
+#   1. chunked_states_kernel, sequential (per value block and sequence x head, the state
+#      block [BF, BV] in registers with the normalizer z [BF]): stores each chunk's start state S_c
+#      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U (U = V); only matrix products run in this loop
+#   2. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U, divided by z.q + eps
+# Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
+# padded tokens give zero features).
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32
+# live only during the call: O(T F V / BT) per head.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -436,18 +442,104 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def chunked_fwd_kernel(
+def chunked_states_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # one program per (value block, sequence x head): the sequential pass over the chunks
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+
+    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_h = tl.zeros([BF, BV], dtype=tl.float32)
+    # [BF] the normalizer column z (the additive rule on a column of ones)
+    b_z = tl.zeros([BF], dtype=tl.float32)
+    if HAS_H0:
+        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+        b_z += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, mask=m_f, other=0.0).to(tl.float32)
+
+    for i_c in range(0, tl.cdiv(T_seq, BT)):
+        # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        if i_v == 0:
+            tl.store(h + o_hc + o_f * VS + V, b_z, mask=m_f)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        # [BK, BT] -> [BF, BT] the keys transposed by the load
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * x_scale
+        b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
+        b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
+        # [BT, BV]
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_u = b_v
+        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+        b_kt_rest = b_kt
+        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+        b_z = b_z + tl.sum(b_kt_rest, 1)
+
+    if STORE_HT:
+        tl.store(ht + o_state, b_h, mask=m_state)
+        if i_v == 0:
+            tl.store(ht + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, b_z, mask=m_f)
+
+
+@triton.jit
+def chunked_output_kernel(
+    # pointers
+    q, k, v, g, omega, u, h, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
+    # state S_c, divided by n = (Q ⊙ Γ) z_c + rowsum(P) + eps
+    # NORM_GRAD (the backward's use): instead of o, store n and this value block's share of
+    # c = -do.õ / n^2, õ = [o n] the unnormalized outputs
+    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_v, i_h = i_vh // H, i_vh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
@@ -466,58 +558,45 @@ def chunked_fwd_kernel(
     b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # [BK, BF]
     b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    # [BF] the normalizer column z (the additive rule on a column of ones)
-    b_z = tl.zeros([BF], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-        b_z += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, mask=m_f, other=0.0).to(tl.float32)
-
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BT, BK] -> [BT, BF]
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_q = b_q * x_scale
-        b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
-        b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
-        b_q = b_q * scale
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * x_scale
-        b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
-        b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT, BT]
-        b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
-        b_qg = b_q
-        b_u = b_v
-        # [BT, BV]
-        b_o = chunked_dot(b_qg, b_h, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
-        # [BT] z_t . q_t with z_t the normalizer after token t: the same rule on a column of ones
-        b_o = b_o / (tl.sum(b_qg * b_z[None, :], 1) + tl.sum(b_P, 1) + 1e-06)[:, None]
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-        # [BF, BT] (K ⊙ Γ_C/Γ)^T
-        b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
-        b_z = b_z + tl.sum(b_kt_rest, 1)
-
-    if STORE_HT:
-        tl.store(ht + o_state, b_h, mask=m_state)
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tv = m_t[:, None] & m_v[None, :]
+    # [BT, BK] -> [BT, BF]
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q * x_scale
+    b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
+    b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
+    b_q = b_q * scale
+    # [BK, BT] -> [BF, BT] the keys transposed by the load
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_kt = b_kt * x_scale
+    b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
+    b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
+    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
+    b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
+    b_qg = b_q
+    # [BF, BV] the chunk-start state (slot i_s)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    # [BT, BV] the values the chunk writes
+    b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_o = chunked_dot(b_qg, b_hc, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
+    # [BF] the chunk-start normalizer; [BT] n_t = z_t.q_t + eps, z_t the normalizer after token t
+    b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    b_n = tl.sum(b_qg * b_zc[None, :], 1) + tl.sum(b_P, 1) + 1e-06
+    if NORM_GRAD:
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(c_part + i_v.to(tl.int64) * NTOK * H + o_tok, -tl.sum(b_do * b_o, 1) / (b_n * b_n), mask=m_t)
         if i_v == 0:
-            tl.store(ht + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, b_z, mask=m_f)
+            tl.store(norm + o_tok, b_n, mask=m_t)
+    else:
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], (b_o / b_n[:, None]).to(o.dtype.element_ty), mask=m_tv)
 
 
 def chunked_dot_precision(dtype):
-    """The chunked kernel's DOT_PRECISION for inputs of this dtype."""
+    """The chunked kernels' DOT_PRECISION for inputs of this dtype."""
     if dtype == torch.float16:
         return "fp16"
     if dtype == torch.bfloat16:
@@ -536,6 +615,68 @@ def pipeline_stages(stage_bytes):
     return max(1, min(3, PIPELINE_BYTES // stage_bytes))
 
 
+def chunk_slots(cu_seqlens, B, T, chunk):
+    """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
+    chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
+    chunk_seq[slot] is the slot's sequence. sum_n cdiv(len_n, chunk) <= cdiv(T, chunk) + N bounds
+    the slots without reading the lengths back to the host; spare slots map past the last
+    sequence's end."""
+    if cu_seqlens is None:
+        return None, None, B * triton.cdiv(T, chunk)
+    N = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+    ends = torch.cumsum(lens, 0)
+    n_slots = triton.cdiv(T, chunk) + N
+    chunk_seq = torch.searchsorted(ends, torch.arange(n_slots, device=cu_seqlens.device), right=True).clamp_(max=N - 1)
+    return ends - lens, chunk_seq, n_slots
+
+
+def chunked_blocks(K, V, F):
+    """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
+    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
+    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
+    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    return BK, BF, BV
+
+
+def chunked_warps(chunk):
+    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompiled the chunked kernels' 64-row wgmma
+    # dots on Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two
+    # warps no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
+    return 2 if chunk == 64 else 4
+
+
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
+    """The UT transform (none: additive rule) and the sequential pass: ->
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
+    n_slots). Shared by the forward and the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V + 1  # the normalizer column
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF, BV = chunked_blocks(K, V, F)
+    chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=chunked_warps(chunk))
+    ai = None
+    h = torch.empty(n_slots, H, F, VS, **f32)
+    u = torch.empty(B, T, H, V, **f32) if store_u else None
+    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    # the tiles one chunk loads: k transposed, v
+    stage_bytes = chunk * (1 * BK + BV) * q.element_size()
+    chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
+        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
+        num_stages=pipeline_stages(stage_bytes), **meta,
+    )
+    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+
+
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
@@ -545,26 +686,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    BK, BF, BV = chunked_blocks(K, V, F)
+    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
-    # the tiles one chunk loads: q, k transposed, v
-    stage_bytes = chunk * (2 * BK + BV) * q.element_size()
-    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompile this kernel's 64-row wgmma dots on
-    # Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two warps
-    # no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
-    chunked_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        DOT_PRECISION=chunked_dot_precision(q.dtype),
-        num_warps=2 if chunk == 64 else 4, num_stages=pipeline_stages(stage_bytes),
+    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(chunk),
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -578,9 +708,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # with dO = do / n, n_t = z_t.q̂_t + eps, and c = -do.õ / n^2 the output gradient of the ones
 # column (õ = [o z.q̂] the unnormalized outputs).
 # Three kernels:
-#   1. chunked_bwd_states_kernel, per (value block, sequence x head), forward over chunks:
-#      recomputes and stores every chunk-start state h_c, recomputes the outputs õ for the
-#      normalizer n_t and the value block's share of c.
+#   1. the forward's chunked_states_kernel (chunked_states): every chunk-start state h_c, recomputed;
+#      the forward's chunked_output_kernel: the normalizer n_t and the value blocks' shares of c.
 #   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
 #      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂; after chunk 0, dS is the initial state's gradient.
 #   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares;
@@ -592,94 +721,6 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
 # values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
 CHUNKED_BACKWARD = ("chunked",)
-
-
-@triton.jit
-def chunked_bwd_states_kernel(
-    # pointers
-    q, k, v, g, beta, omega, h0, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-    # dims
-    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT, BT] token s may reach token t of the same chunk: s <= t
-    m_causal = o_i[:, None] >= o_i[None, :]
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    # [BF] the normalizer column z
-    b_z = tl.zeros([BF], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-        b_z += tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V, mask=m_f, other=0.0).to(tl.float32)
-
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, kept for the reverse walk: [chunks, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
-        if i_v == 0:
-            tl.store(h + o_hc + o_f * VS + V, b_z, mask=m_f)
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * x_scale
-        b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
-        b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # the outputs õ = [o z.q̂] of this value block, as the forward computes them
-        # [BT, BK] -> [BT, BF]
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_q = b_q * x_scale
-        b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
-        b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
-        b_q = b_q * scale
-        b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
-        b_qg = b_q
-        # [BT, BV] õ; [BT] n = z.q̂ + eps
-        b_o = chunked_dot(b_qg, b_h, DOT_PRECISION) + chunked_dot(b_P, b_v, DOT_PRECISION)
-        b_n = tl.sum(b_qg * b_z[None, :], 1) + tl.sum(b_P, 1) + 1e-06
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT] this value block's share of c = -do.õ / n^2
-        tl.store(c_part + i_v.to(tl.int64) * NTOK * H + o_tok, -tl.sum(b_do * b_o, 1) / (b_n * b_n), mask=m_t)
-        if i_v == 0:
-            tl.store(norm + o_tok, b_n, mask=m_t)
-        b_u = b_v
-        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
-        b_z = b_z + tl.sum(b_kt_rest, 1)
 
 
 @triton.jit
@@ -702,7 +743,7 @@ def chunked_bwd_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
     if IS_VARLEN:
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
@@ -886,36 +927,27 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # the forward's blocks
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    BK, BF, BV = chunked_blocks(K, V, F)
     NV = triton.cdiv(V, BV)
-    if cu_seqlens is None:
-        chunk_offsets = chunk_seq = None
-        n_chunks = B * triton.cdiv(T, chunk)
-    else:
-        # each sequence's first chunk slot, and each slot's sequence. sum_n cdiv(len_n, chunk) <=
-        # cdiv(T, chunk) + N bounds the slots without reading the lengths back to the host
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-        ends = torch.cumsum(lens, 0)
-        chunk_offsets = ends - lens
-        n_chunks = triton.cdiv(T, chunk) + N
-        chunk_seq = torch.searchsorted(ends, torch.arange(n_chunks, device=q.device), right=True).clamp_(max=N - 1)
+    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
+    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    h = torch.empty(n_chunks, H, F, VS, **f32)
+    num_warps = chunked_warps(chunk)
+    # the normalizer n and the value blocks' shares of c, from the forward's output kernel
     norm = torch.empty(B, T, H, **f32)
     c_part = torch.empty(NV, B, T, H, **f32)
-    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper).
+    chunked_output_kernel[(n_chunks, NV * H)](
+        q, k, v, g, omega, None, h, None, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=num_warps,
+    )
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
     # more than the shared memory holds twice at head dim 128
-    num_warps = 2 if chunk == 64 else 4
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
                 num_warps=num_warps, num_stages=1)
-    chunked_bwd_states_kernel[(NV, N * H)](
-        q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
-    )
     c = c_part.sum(0) if NV > 1 else c_part[0]
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)

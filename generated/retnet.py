@@ -373,14 +373,20 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
-# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations). One
-# program per (value block, sequence x head) walks its sequence's chunks of BT tokens and
-# keeps the state block [BF, BV] in registers. Per chunk:
-#   q, k -> features [BT, BF] (phi, l2 norm, scale; padded tokens give zero features)
-#   G [BT] cumulative log decay inside the chunk, in float64: only exp of differences
-#     G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp
-#   P [BT, BT] decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-#   O = (Q ⊙ Γ) S + P U; S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
+# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in two
+# passes over chunks of BT tokens:
+#   1. chunked_states_kernel, sequential (per value block and sequence x head, the state
+#      block [BF, BV] in registers): stores each chunk's start state S_c
+#      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U (U = V); only matrix products run in this loop
+#   2. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U
+# Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
+# padded tokens give zero features).
+# G [BT] is the cumulative log decay inside the chunk, in float64: only exp of differences
+# G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32
+# live only during the call: O(T F V / BT) per head.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -411,16 +417,18 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def chunked_fwd_kernel(
+def chunked_states_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    scale, x_scale, f_scale,
+    x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
+    # one program per (value block, sequence x head): the sequential pass over the chunks
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -429,171 +437,7 @@ def chunked_fwd_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT, BT] token s may reach token t of the same chunk: s <= t
-    m_causal = o_i[:, None] >= o_i[None, :]
-    b_gc = tl.load(g + i_h).to(tl.float64)
-
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BT, BK] -> [BT, BF]
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-        b_q = b_q * scale
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = tl.where(m_t, b_gc, 0.0)
-        b_G = tl.cumsum(b_g, 0)
-        b_GC = tl.sum(b_g, 0)
-        # [BT, 1] Γ_t; [BT] Γ_C/Γ_t; scalar Γ_C
-        b_gam = tl.exp(b_G.to(tl.float32))[:, None]
-        b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-        b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BT] Γ_t/Γ_s on s <= t, 0 above the diagonal
-        b_D = tl.exp(tl.where(m_causal, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
-        b_P = chunked_dot(b_q, b_kt, DOT_PRECISION) * b_D
-        # [BT, BF] the queries read the chunk-start state through Γ_t
-        b_qg = b_q * b_gam
-        b_u = b_v
-        # [BT, BV]
-        b_o = chunked_dot(b_qg, b_h, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-        # [BF, BT] (K ⊙ Γ_C/Γ)^T
-        b_kt_rest = b_kt * b_gam_rest[None, :]
-        b_h = b_h * b_gam_C + chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
-
-    if STORE_HT:
-        tl.store(ht + o_state, b_h, mask=m_state)
-
-
-def chunked_dot_precision(dtype):
-    """The chunked kernel's DOT_PRECISION for inputs of this dtype."""
-    if dtype == torch.float16:
-        return "fp16"
-    if dtype == torch.bfloat16:
-        return "bf16_emulated" if interpreted() else "bf16"
-    return "ieee"
-
-
-# Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
-# has 227 KiB; the rest is left to the dots' operand staging).
-PIPELINE_BYTES = 160 * 1024
-
-
-def pipeline_stages(stage_bytes):
-    """num_stages for a loop that loads stage_bytes of tiles per iteration: Triton keeps one copy
-    of them in shared memory per stage (at most 3 stages, at least 1: no prefetch)."""
-    return max(1, min(3, PIPELINE_BYTES // stage_bytes))
-
-
-def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
-    """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
-    -> o like v, final state [N, H, F, VS] float32 (or None)."""
-    if chunk not in (16, 32, 64):
-        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    F = omega.shape[0] if omega is not None else K
-    VS = V
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
-    o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
-    # the tiles one chunk loads: q, k transposed, v
-    stage_bytes = chunk * (2 * BK + BV) * q.element_size()
-    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompile this kernel's 64-row wgmma dots on
-    # Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two warps
-    # no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
-    chunked_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        DOT_PRECISION=chunked_dot_precision(q.dtype),
-        num_warps=2 if chunk == 64 else 4, num_stages=pipeline_stages(stage_bytes),
-    )
-    return o, ht
-# ---------------------------------------------------------------------------- chunked backward
-# Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
-# [v]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
-# P the decayed causal scores and dP = dO V^T:
-#   dq̂ = (dO h_c^T) ⊙ Γ + dP K̂
-#   dk̂ = (V dS^T) ⊙ Γ_C/Γ + dP^T Q̂
-#   dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-#   dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO   (dS of the chunk's start; dP, P through the decay ratios)
-# The decay gradient, by the additive rule's identity taken chunk by chunk (per feature; summed
-# over features for scalar decay, and over tokens for a constant one):
-#   dg_t = sum_{s >= t in chunk} (q̂_s ⊙ dq̂_s - k̂_s ⊙ dk̂'_s) + sum_{s < t in chunk} k̂_s ⊙ dk̂"_s + Γ_C sum_v h_c ⊙ dS
-# dk̂' the part of dk̂ inside the chunk, dk̂" the part through dS. Every term is a pair of tokens
-# across t, except pairs inside the chunk, which cancel; the pair s = t (decay ratio 1) is kept
-# out of dq̂, dk̂ until the end (dP_tt apart): its rounding would swamp a strong decay's small dg.
-# No sum runs across chunks: the last terms are the exact share of the later tokens.
-# A constant decay needs only the sum over tokens; summed from the per-token form, its pairs inside
-# a chunk would enter with weights (t + 1) - (s + 1) that cancel to ~chunk-times smaller totals.
-# Kernel 2 sums each chunk pair by pair instead (x_ts = dP_ts P_ts, pairs s < t):
-#   sum_t dg_t = sum_{s<t} (t - s) x_ts + sum_t (t + 1) q̂_t . dq̂"_t + sum_s (n - 1 - s) k̂_s . dk̂"_s + n Γ_C <h_c, dS>
-# with local positions from 0, n the chunk's tokens, dq̂" the part of dq̂ through h_c.
-# Three kernels:
-#   1. chunked_bwd_states_kernel, per (value block, sequence x head), forward over chunks:
-#      recomputes and stores every chunk-start state h_c.
-#   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
-#      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂, dP_tt,
-#      and of the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
-#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
-#      the chain rule through scale and the feature map (recomputed from q, k) -> dq, dk.
-# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32), the value blocks' dq̂, dk̂ shares live only inside this backward, recomputed
-# here from the inputs: a training step's extra memory stays O(T (F + V)) per head, plus this
-# transient O(T F V / chunk).
-# No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
-# values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
-CHUNKED_BACKWARD = ("chunked",)
-
-
-@triton.jit
-def chunked_bwd_states_kernel(
-    # pointers
-    q, k, v, g, beta, omega, h0, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-    # dims
-    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
     if IS_VARLEN:
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
@@ -614,7 +458,7 @@ def chunked_bwd_states_kernel(
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
 
     for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, kept for the reverse walk: [chunks, H, F, VS]
+        # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
@@ -638,6 +482,216 @@ def chunked_bwd_states_kernel(
         b_kt_rest = b_kt * b_gam_rest[None, :]
         b_h = b_h * b_gam_C + chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
 
+    if STORE_HT:
+        tl.store(ht + o_state, b_h, mask=m_state)
+
+
+@triton.jit
+def chunked_output_kernel(
+    # pointers
+    q, k, v, g, omega, u, h, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
+    # state S_c
+    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_v, i_h = i_vh // H, i_vh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BT, BT] token s may reach token t of the same chunk: s <= t
+    m_causal = o_i[:, None] >= o_i[None, :]
+    b_gc = tl.load(g + i_h).to(tl.float64)
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tv = m_t[:, None] & m_v[None, :]
+    # [BT, BK] -> [BT, BF]
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    b_q = b_q * scale
+    # [BK, BT] -> [BF, BT] the keys transposed by the load
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = tl.where(m_t, b_gc, 0.0)
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
+    b_P = chunked_dot(b_q, b_kt, DOT_PRECISION) * tl.exp(tl.where(m_causal, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+    # [BT, BF] the queries read the chunk-start state through Γ_t
+    b_qg = b_q * b_gam[:, None]
+    # [BF, BV] the chunk-start state (slot i_s)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    # [BT, BV] the values the chunk writes
+    b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_o = chunked_dot(b_qg, b_hc, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
+    tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def chunked_dot_precision(dtype):
+    """The chunked kernels' DOT_PRECISION for inputs of this dtype."""
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.bfloat16:
+        return "bf16_emulated" if interpreted() else "bf16"
+    return "ieee"
+
+
+# Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
+# has 227 KiB; the rest is left to the dots' operand staging).
+PIPELINE_BYTES = 160 * 1024
+
+
+def pipeline_stages(stage_bytes):
+    """num_stages for a loop that loads stage_bytes of tiles per iteration: Triton keeps one copy
+    of them in shared memory per stage (at most 3 stages, at least 1: no prefetch)."""
+    return max(1, min(3, PIPELINE_BYTES // stage_bytes))
+
+
+def chunk_slots(cu_seqlens, B, T, chunk):
+    """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
+    chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
+    chunk_seq[slot] is the slot's sequence. sum_n cdiv(len_n, chunk) <= cdiv(T, chunk) + N bounds
+    the slots without reading the lengths back to the host; spare slots map past the last
+    sequence's end."""
+    if cu_seqlens is None:
+        return None, None, B * triton.cdiv(T, chunk)
+    N = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
+    ends = torch.cumsum(lens, 0)
+    n_slots = triton.cdiv(T, chunk) + N
+    chunk_seq = torch.searchsorted(ends, torch.arange(n_slots, device=cu_seqlens.device), right=True).clamp_(max=N - 1)
+    return ends - lens, chunk_seq, n_slots
+
+
+def chunked_blocks(K, V, F):
+    """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
+    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
+    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
+    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
+    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    return BK, BF, BV
+
+
+def chunked_warps(chunk):
+    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompiled the chunked kernels' 64-row wgmma
+    # dots on Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two
+    # warps no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
+    return 2 if chunk == 64 else 4
+
+
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
+    """The UT transform (none: additive rule) and the sequential pass: ->
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
+    n_slots). Shared by the forward and the backward."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    BK, BF, BV = chunked_blocks(K, V, F)
+    chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=chunked_warps(chunk))
+    ai = None
+    h = torch.empty(n_slots, H, F, VS, **f32)
+    u = torch.empty(B, T, H, V, **f32) if store_u else None
+    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    # the tiles one chunk loads: k transposed, v
+    stage_bytes = chunk * (1 * BK + BV) * q.element_size()
+    chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
+        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
+        num_stages=pipeline_stages(stage_bytes), **meta,
+    )
+    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+
+
+def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
+    """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
+    -> o like v, final state [N, H, F, VS] float32 (or None)."""
+    if chunk not in (16, 32, 64):
+        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    VS = V
+    BK, BF, BV = chunked_blocks(K, V, F)
+    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
+    o = torch.empty_like(v)
+    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(chunk),
+    )
+    return o, ht
+# ---------------------------------------------------------------------------- chunked backward
+# Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
+# [v]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
+# P the decayed causal scores and dP = dO V^T:
+#   dq̂ = (dO h_c^T) ⊙ Γ + dP K̂
+#   dk̂ = (V dS^T) ⊙ Γ_C/Γ + dP^T Q̂
+#   dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
+#   dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO   (dS of the chunk's start; dP, P through the decay ratios)
+# The decay gradient, by the additive rule's identity taken chunk by chunk (per feature; summed
+# over features for scalar decay, and over tokens for a constant one):
+#   dg_t = sum_{s >= t in chunk} (q̂_s ⊙ dq̂_s - k̂_s ⊙ dk̂'_s) + sum_{s < t in chunk} k̂_s ⊙ dk̂"_s + Γ_C sum_v h_c ⊙ dS
+# dk̂' the part of dk̂ inside the chunk, dk̂" the part through dS. Every term is a pair of tokens
+# across t, except pairs inside the chunk, which cancel; the pair s = t (decay ratio 1) is kept
+# out of dq̂, dk̂ until the end (dP_tt apart): its rounding would swamp a strong decay's small dg.
+# No sum runs across chunks: the last terms are the exact share of the later tokens.
+# A constant decay needs only the sum over tokens; summed from the per-token form, its pairs inside
+# a chunk would enter with weights (t + 1) - (s + 1) that cancel to ~chunk-times smaller totals.
+# Kernel 2 sums each chunk pair by pair instead (x_ts = dP_ts P_ts, pairs s < t):
+#   sum_t dg_t = sum_{s<t} (t - s) x_ts + sum_t (t + 1) q̂_t . dq̂"_t + sum_s (n - 1 - s) k̂_s . dk̂"_s + n Γ_C <h_c, dS>
+# with local positions from 0, n the chunk's tokens, dq̂" the part of dq̂ through h_c.
+# Three kernels:
+#   1. the forward's chunked_states_kernel (chunked_states): every chunk-start state h_c, recomputed.
+#   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
+#      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂, dP_tt,
+#      and of the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
+#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
+#      the chain rule through scale and the feature map (recomputed from q, k) -> dq, dk.
+# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
+# (float32), the value blocks' dq̂, dk̂ shares live only inside this backward, recomputed
+# here from the inputs: a training step's extra memory stays O(T (F + V)) per head, plus this
+# transient O(T F V / chunk).
+# No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
+# values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
+CHUNKED_BACKWARD = ("chunked",)
+
 
 @triton.jit
 def chunked_bwd_kernel(
@@ -659,7 +713,7 @@ def chunked_bwd_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
-    # the sequence's first chunk in the per-chunk state buffer (int64)
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
     if IS_VARLEN:
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
@@ -841,35 +895,19 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # the forward's blocks
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
+    BK, BF, BV = chunked_blocks(K, V, F)
     NV = triton.cdiv(V, BV)
-    if cu_seqlens is None:
-        chunk_offsets = chunk_seq = None
-        n_chunks = B * triton.cdiv(T, chunk)
-    else:
-        # each sequence's first chunk slot, and each slot's sequence. sum_n cdiv(len_n, chunk) <=
-        # cdiv(T, chunk) + N bounds the slots without reading the lengths back to the host
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-        ends = torch.cumsum(lens, 0)
-        chunk_offsets = ends - lens
-        n_chunks = triton.cdiv(T, chunk) + N
-        chunk_seq = torch.searchsorted(ends, torch.arange(n_chunks, device=q.device), right=True).clamp_(max=N - 1)
+    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
+    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
+        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    h = torch.empty(n_chunks, H, F, VS, **f32)
-    norm = c_part = None
-    # Two warps for 64-token chunks, as the forward (Triton 3.4-3.7 miscompile 64-row wgmma dots on Hopper).
+    num_warps = chunked_warps(chunk)
+    norm = None
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
     # more than the shared memory holds twice at head dim 128
-    num_warps = 2 if chunk == 64 else 4
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
                 num_warps=num_warps, num_stages=1)
-    chunked_bwd_states_kernel[(NV, N * H)](
-        q, k, v, g, beta, omega, initial_state, do, h, norm, c_part, cu_seqlens, chunk_offsets,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta,
-    )
     c = None
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
