@@ -475,8 +475,6 @@ def chunked_states_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     # [BF, BK]
     b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
 
     # [BF, BV] state block; row offsets into the [N, H, F, VS] state
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
@@ -554,21 +552,23 @@ def chunked_output_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     # [BT, BT] token s may reach token t of the same chunk: s <= t
     m_causal = o_i[:, None] >= o_i[None, :]
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tv = m_t[:, None] & m_v[None, :]
+    # each layout of the random features is loaded just before its use: both at once in float32
+    # exceed the shared memory at 256 features
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
     # [BT, BK] -> [BT, BF]
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q = b_q * x_scale
     b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
     b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
     b_q = b_q * scale
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # [BK, BT] -> [BF, BT] the keys transposed by the load
     b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * x_scale
