@@ -473,7 +473,10 @@ def chunked_ut_kernel(
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT], row t stored with token t
+    # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
+    # row t stored with token t. A is block lower triangular; with L = I + A,
+    #   L^-1_ii = (I + A_ii)^-1 (forward substitution, 16 rows), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
+    # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -488,41 +491,173 @@ def chunked_ut_kernel(
         bos = i_n.to(tl.int64) * T
         T_seq = T
 
-    o_i = tl.arange(0, BT)
+    # [16] a token's row inside its block; [16, 16] s < t and s == t inside a block
+    o_j = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     m_k, m_f = o_k < K, o_f < F
-    m_strict = o_i[:, None] > o_i[None, :]
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    # [BT, BK] -> [BT, BF]
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BK, BT] -> [BF, BT] the keys transposed by the load
-    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-    # [BT] (0 on padded tokens)
-    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
-    b_G = tl.cumsum(b_g, 0)
-    b_GC = tl.sum(b_g, 0)
-    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T)
-    b_A = chunked_dot(b_k, b_kt, DOT_PRECISION) * tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
-    b_A = b_A * b_beta[:, None]
-    # [BT, BT] (I + A)^-1 by forward substitution: row i = e_i - sum_{s < i} A_is row s
-    b_Ai = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        m_row = o_i[:, None] == i
-        b_a = tl.sum(tl.where(m_row, b_A, 0.0), 0)
-        b_Ai = tl.where(m_row, b_Ai - tl.sum(b_a[:, None] * b_Ai, 0)[None, :], b_Ai)
-    tl.store(ai + o_tok[:, None] * BT + o_i[None, :], b_Ai, mask=m_t[:, None])
+    m_lower = o_j[:, None] > o_j[None, :]
+    m_eye = o_j[:, None] == o_j[None, :]
+    # the log decay of the chunk's earlier blocks
+    b_carry = 0.0
+    # ---- block 0: tokens 0 .. 15 of the chunk
+    o_t0 = i_c * BT + 0 + o_j
+    m_t0 = o_t0 < T_seq
+    o_tok0 = (bos + o_t0) * H + i_h
+    # [16, BK] -> [16, BF]
+    b_k0 = tl.load(k + o_tok0[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
+    # [BK, 16] -> [BF, 16] the keys transposed by the load
+    b_kt0 = tl.load(k + o_tok0[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+    b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+    # [16] (0 on padded tokens)
+    b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
+    # [16] cumulative log decay from the chunk's start, float64
+    b_g0 = tl.load(g + o_tok0, mask=m_t0, other=0.0).to(tl.float64)
+    b_G0 = tl.cumsum(b_g0, 0) + b_carry
+    b_carry += tl.sum(b_g0, 0)
+    # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
+    b_D = tl.exp(tl.where(m_lower, (b_G0[:, None] - b_G0[None, :]).to(tl.float32), float("-inf")))
+    b_A00 = chunked_dot(b_k0, b_kt0, DOT_PRECISION) * b_D * b_beta0[:, None]
+    # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+    b_Ai00 = tl.where(m_eye, 1.0, 0.0)
+    for r in range(1, 16):
+        m_row = o_j[:, None] == r
+        b_a = tl.sum(tl.where(m_row, b_A00, 0.0), 0)
+        b_Ai00 = tl.where(m_row, b_Ai00 - tl.sum(b_a[:, None] * b_Ai00, 0)[None, :], b_Ai00)
+    # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+    tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], b_Ai00, mask=m_t0[:, None])
+    if BT > 16:
+        tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+    if BT > 32:
+        tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+    if BT > 48:
+        tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+    if BT > 16:
+        # ---- block 1: tokens 16 .. 31 of the chunk
+        o_t1 = i_c * BT + 16 + o_j
+        m_t1 = o_t1 < T_seq
+        o_tok1 = (bos + o_t1) * H + i_h
+        # [16, BK] -> [16, BF]
+        b_k1 = tl.load(k + o_tok1[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt1 = tl.load(k + o_tok1[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
+        b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
+        # [16] (0 on padded tokens)
+        b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
+        # [16] cumulative log decay from the chunk's start, float64
+        b_g1 = tl.load(g + o_tok1, mask=m_t1, other=0.0).to(tl.float64)
+        b_G1 = tl.cumsum(b_g1, 0) + b_carry
+        b_carry += tl.sum(b_g1, 0)
+        # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
+        b_D = tl.exp((b_G1[:, None] - b_G0[None, :]).to(tl.float32))
+        b_A10 = chunked_dot(b_k1, b_kt0, DOT_PRECISION) * b_D * b_beta1[:, None]
+        # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
+        b_D = tl.exp(tl.where(m_lower, (b_G1[:, None] - b_G1[None, :]).to(tl.float32), float("-inf")))
+        b_A11 = chunked_dot(b_k1, b_kt1, DOT_PRECISION) * b_D * b_beta1[:, None]
+        # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+        b_Ai11 = tl.where(m_eye, 1.0, 0.0)
+        for r in range(1, 16):
+            m_row = o_j[:, None] == r
+            b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
+            b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
+        # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
+        b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+        # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], b_Ai10, mask=m_t1[:, None])
+        tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], b_Ai11, mask=m_t1[:, None])
+        if BT > 32:
+            tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t1[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t1[:, None])
+    if BT > 32:
+        # ---- block 2: tokens 32 .. 47 of the chunk
+        o_t2 = i_c * BT + 32 + o_j
+        m_t2 = o_t2 < T_seq
+        o_tok2 = (bos + o_t2) * H + i_h
+        # [16, BK] -> [16, BF]
+        b_k2 = tl.load(k + o_tok2[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt2 = tl.load(k + o_tok2[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
+        b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
+        # [16] (0 on padded tokens)
+        b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
+        # [16] cumulative log decay from the chunk's start, float64
+        b_g2 = tl.load(g + o_tok2, mask=m_t2, other=0.0).to(tl.float64)
+        b_G2 = tl.cumsum(b_g2, 0) + b_carry
+        b_carry += tl.sum(b_g2, 0)
+        # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
+        b_D = tl.exp((b_G2[:, None] - b_G0[None, :]).to(tl.float32))
+        b_A20 = chunked_dot(b_k2, b_kt0, DOT_PRECISION) * b_D * b_beta2[:, None]
+        # [16, 16] A_21 = diag(β) K_2 diag(Γ_t/Γ_s) K_1^T
+        b_D = tl.exp((b_G2[:, None] - b_G1[None, :]).to(tl.float32))
+        b_A21 = chunked_dot(b_k2, b_kt1, DOT_PRECISION) * b_D * b_beta2[:, None]
+        # [16, 16] A_22 = diag(β) K_2 diag(Γ_t/Γ_s) K_2^T (s < t)
+        b_D = tl.exp(tl.where(m_lower, (b_G2[:, None] - b_G2[None, :]).to(tl.float32), float("-inf")))
+        b_A22 = chunked_dot(b_k2, b_kt2, DOT_PRECISION) * b_D * b_beta2[:, None]
+        # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+        b_Ai22 = tl.where(m_eye, 1.0, 0.0)
+        for r in range(1, 16):
+            m_row = o_j[:, None] == r
+            b_a = tl.sum(tl.where(m_row, b_A22, 0.0), 0)
+            b_Ai22 = tl.where(m_row, b_Ai22 - tl.sum(b_a[:, None] * b_Ai22, 0)[None, :], b_Ai22)
+        # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
+        b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
+        # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
+        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
+        # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], b_Ai20, mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], b_Ai21, mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 32 + o_j[None, :], b_Ai22, mask=m_t2[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t2[:, None])
+        # ---- block 3: tokens 48 .. 63 of the chunk
+        o_t3 = i_c * BT + 48 + o_j
+        m_t3 = o_t3 < T_seq
+        o_tok3 = (bos + o_t3) * H + i_h
+        # [16, BK] -> [16, BF]
+        b_k3 = tl.load(k + o_tok3[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt3 = tl.load(k + o_tok3[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
+        b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
+        # [16] (0 on padded tokens)
+        b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
+        # [16] cumulative log decay from the chunk's start, float64
+        b_g3 = tl.load(g + o_tok3, mask=m_t3, other=0.0).to(tl.float64)
+        b_G3 = tl.cumsum(b_g3, 0) + b_carry
+        b_carry += tl.sum(b_g3, 0)
+        # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
+        b_D = tl.exp((b_G3[:, None] - b_G0[None, :]).to(tl.float32))
+        b_A30 = chunked_dot(b_k3, b_kt0, DOT_PRECISION) * b_D * b_beta3[:, None]
+        # [16, 16] A_31 = diag(β) K_3 diag(Γ_t/Γ_s) K_1^T
+        b_D = tl.exp((b_G3[:, None] - b_G1[None, :]).to(tl.float32))
+        b_A31 = chunked_dot(b_k3, b_kt1, DOT_PRECISION) * b_D * b_beta3[:, None]
+        # [16, 16] A_32 = diag(β) K_3 diag(Γ_t/Γ_s) K_2^T
+        b_D = tl.exp((b_G3[:, None] - b_G2[None, :]).to(tl.float32))
+        b_A32 = chunked_dot(b_k3, b_kt2, DOT_PRECISION) * b_D * b_beta3[:, None]
+        # [16, 16] A_33 = diag(β) K_3 diag(Γ_t/Γ_s) K_3^T (s < t)
+        b_D = tl.exp(tl.where(m_lower, (b_G3[:, None] - b_G3[None, :]).to(tl.float32), float("-inf")))
+        b_A33 = chunked_dot(b_k3, b_kt3, DOT_PRECISION) * b_D * b_beta3[:, None]
+        # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+        b_Ai33 = tl.where(m_eye, 1.0, 0.0)
+        for r in range(1, 16):
+            m_row = o_j[:, None] == r
+            b_a = tl.sum(tl.where(m_row, b_A33, 0.0), 0)
+            b_Ai33 = tl.where(m_row, b_Ai33 - tl.sum(b_a[:, None] * b_Ai33, 0)[None, :], b_Ai33)
+        # [16, 16] (I + A)^-1_32 = -(I + A)^-1_33 sum_{m = 2}^{2} A_3m (I + A)^-1_m2
+        b_Ai32 = -tl.dot(b_Ai33, tl.dot(b_A32, b_Ai22, input_precision="ieee"), input_precision="ieee")
+        # [16, 16] (I + A)^-1_31 = -(I + A)^-1_33 sum_{m = 1}^{2} A_3m (I + A)^-1_m1
+        b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_A31, b_Ai11, input_precision="ieee") + tl.dot(b_A32, b_Ai21, input_precision="ieee"), input_precision="ieee")
+        # [16, 16] (I + A)^-1_30 = -(I + A)^-1_33 sum_{m = 0}^{2} A_3m (I + A)^-1_m0
+        b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_A30, b_Ai00, input_precision="ieee") + tl.dot(b_A31, b_Ai10, input_precision="ieee") + tl.dot(b_A32, b_Ai20, input_precision="ieee"), input_precision="ieee")
+        # rows 48 .. 63 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok3[:, None] * BT + 0 + o_j[None, :], b_Ai30, mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], b_Ai31, mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], b_Ai32, mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], b_Ai33, mask=m_t3[:, None])
 
 
 @triton.jit
