@@ -389,7 +389,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
 # passes over chunks of BT tokens:
 #   1. chunked_ut_kernel, chunk-parallel (per chunk slot and head): the UT transform's
-#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by forward substitution row by row
+#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by 16-token blocks
 #   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c,
 #      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
@@ -399,7 +399,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features).
-# Memory: the chunk-start states [chunk slots, H, F, VS] float32, the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32,
+# the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
 # live only during the call: O(T F V / BT) per head.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.

@@ -425,7 +425,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
 # passes over chunks of BT tokens:
 #   1. chunked_ut_kernel, chunk-parallel (per chunk slot and head): the UT transform's
-#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by forward substitution row by row
+#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by 16-token blocks
 #   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c,
 #      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
@@ -437,7 +437,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # padded tokens give zero features).
 # G [BT, BF] is the cumulative log decay inside the chunk, in float64: only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
-# Memory: the chunk-start states [chunk slots, H, F, VS] float32, the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32,
+# the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
 # live only during the call: O(T F V / BT) per head.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
