@@ -628,8 +628,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=chunked_warps(chunk))
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = None
     h = torch.empty(n_slots, H, F, VS, **f32)
     u = torch.empty(B, T, H, V, **f32) if store_u else None
@@ -640,7 +639,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_stages=pipeline_stages(stage_bytes), **meta,
+        num_warps=chunked_warps(chunk), num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
 
