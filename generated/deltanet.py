@@ -416,18 +416,23 @@ def chunked_round_bf16(x):
 
 
 @triton.jit
-def chunked_dot(a, b, DOT_PRECISION: tl.constexpr):
-    # "ieee": fp32 products (fp32 and fp64 inputs); "bf16" / "fp16": operands in that dtype on the
-    # tensor cores, accumulated in fp32; "bf16_emulated": the same products, bf16-rounded operands
-    # multiplied in fp32 (Triton's interpreter multiplies bf16 tl.dot operands as raw bits)
+def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
+    # a @ b (+ acc, float32). "ieee": fp32 products (fp64 inputs, and the interpreter); "tf32x3":
+    # fp32 inputs on the tensor cores, each operand split in two tf32 parts (three products, about
+    # fp32's accuracy); "bf16" / "fp16": operands in that dtype on the tensor cores, accumulated in
+    # fp32; "bf16_emulated": the same products, bf16-rounded operands multiplied in fp32 (Triton's
+    # interpreter multiplies bf16 tl.dot operands as raw bits). A sum of two products is one
+    # accumulating into the other (acc), never two dot results added.
     if DOT_PRECISION == "bf16":
-        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "fp16":
-        c = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     elif DOT_PRECISION == "bf16_emulated":
-        c = tl.dot(chunked_round_bf16(a), chunked_round_bf16(b), input_precision="ieee")
+        c = tl.dot(chunked_round_bf16(a), chunked_round_bf16(b), acc, input_precision="ieee")
+    elif DOT_PRECISION == "tf32x3":
+        c = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc, input_precision="ieee")
     return c
 
 
@@ -660,12 +665,12 @@ def chunked_states_kernel(
         b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
         b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
         b_w = chunked_dot(b_Ai, b_k * b_beta[:, None], DOT_PRECISION)
-        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION) - chunked_dot(b_w, b_h, DOT_PRECISION)
+        b_u = chunked_dot(-b_w, b_h, DOT_PRECISION, chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION))
         if STORE_U:
             tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+        b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
 
     if STORE_HT:
         tl.store(ht + o_state, b_h, mask=m_state)
@@ -726,7 +731,7 @@ def chunked_output_kernel(
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
     b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_o = chunked_dot(b_qg, b_hc, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
+    b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
     tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
@@ -736,7 +741,7 @@ def chunked_dot_precision(dtype):
         return "fp16"
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
-    return "ieee"
+    return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
 
 
 # Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
@@ -775,11 +780,10 @@ def chunked_blocks(K, V, F):
     return BK, BF, BV
 
 
-def chunked_warps(chunk):
-    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompiled the chunked kernels' 64-row wgmma
-    # dots on Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two
-    # warps no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
-    return 2 if chunk == 64 else 4
+# Warps of the chunked kernels. Two warps (64 threads) holding a 64-token chunk's [64, 128] float32
+# tiles spilled registers (ptxas -v, sm_90a: a 72 KB stack frame in the delta-rule backward) and
+# compiled 3x slower; with four, 64-row dots take Hopper's wgmma path (checked by tests/gpu).
+CHUNKED_WARPS = 4
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
@@ -797,10 +801,9 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     f32 = dict(device=q.device, dtype=torch.float32)
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = torch.empty(B, T, H, chunk, **f32)
-    # four warps whatever the chunk: its dots have 16 rows, never the 64-row wgmma path of chunked_warps
     chunked_ut_kernel[(n_slots, H)](
         k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, F, K ** -0.25, F ** -0.5, num_warps=4, **meta,
+        T, H, K, F, K ** -0.25, F ** -0.5, num_warps=CHUNKED_WARPS, **meta,
     )
     h = torch.empty(n_slots, H, F, VS, **f32)
     u = torch.empty(B, T, H, V, **f32) if store_u else None
@@ -811,7 +814,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=chunked_warps(chunk), num_stages=pipeline_stages(stage_bytes), **meta,
+        num_warps=CHUNKED_WARPS, num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
 
@@ -833,7 +836,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(chunk),
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=CHUNKED_WARPS,
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -943,7 +946,7 @@ def chunked_bwd_delta_kernel(
         b_yt = b_kt * b_beta[None, :]
         b_wt = chunked_dot(b_yt, b_Tt, DOT_PRECISION)
         b_xt = b_vt * b_beta[None, :]
-        b_ut = chunked_dot(b_xt, b_Tt, DOT_PRECISION) - chunked_dot(b_hct, b_wt, DOT_PRECISION)
+        b_ut = chunked_dot(-b_hct, b_wt, DOT_PRECISION, chunked_dot(b_xt, b_Tt, DOT_PRECISION))
         # [BT, BT] dP = dO U^T; [BT] its diagonal dP_tt, kept apart (see the header)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION)
         b_dd = tl.sum(b_dot * b_ut, 0)
@@ -952,13 +955,13 @@ def chunked_bwd_delta_kernel(
         b_dkt_state = chunked_dot(b_dh, b_ut, DOT_PRECISION)
         b_k_rest = b_k
         # [BT, BV] dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-        b_du = chunked_dot(b_Pt, b_do, DOT_PRECISION) + chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
+        b_du = chunked_dot(b_k_rest, b_dh, DOT_PRECISION, chunked_dot(b_Pt, b_do, DOT_PRECISION))
         # through U = T X - T Y h_c: [BT, BF] dW = -dU h_c^T, [BT, BV] dX = T^T dU, [BT, BF] dY = T^T dW,
         # [BT, BT] dT = dU X^T + dW Y^T and dA = -T^T dT T^T on s < t
         b_dw = -chunked_dot(b_du, b_hct, DOT_PRECISION)
         b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
         b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
-        b_dT = chunked_dot(b_du, b_xt, DOT_PRECISION) + chunked_dot(b_dw, b_yt, DOT_PRECISION)
+        b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, chunked_dot(b_du, b_xt, DOT_PRECISION))
         b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
         # [BT, BV] dv = diag(β) dX
         tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
@@ -971,9 +974,9 @@ def chunked_bwd_delta_kernel(
         b_dAk = b_dA * b_beta[:, None]
         # the pairs s < t of P and Ak: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t), dk̂^T = Q̂^T dP + K̂^T dAk (columns s)
         b_dP = tl.where(m_strict, b_dP, 0.0)
-        b_dq += chunked_dot(b_dP, b_k, DOT_PRECISION)
-        b_dkr += chunked_dot(b_dAk, b_k, DOT_PRECISION)
-        b_dkt = chunked_dot(b_qt, b_dP, DOT_PRECISION) + chunked_dot(b_kt, b_dAk, DOT_PRECISION)
+        b_dq = chunked_dot(b_dP, b_k, DOT_PRECISION, b_dq)
+        b_dkr = chunked_dot(b_dAk, b_k, DOT_PRECISION, b_dkr)
+        b_dkt = chunked_dot(b_kt, b_dAk, DOT_PRECISION, chunked_dot(b_qt, b_dP, DOT_PRECISION))
         # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ (columns s of P and Ak; rows t of Y and
         # Ak; through the state); [NV, B * T * H] dP_tt
         tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
@@ -982,7 +985,7 @@ def chunked_bwd_delta_kernel(
         tl.store(dki_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt_state, mask=m_f[:, None] & m_t[None, :])
         tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
-        b_dh += chunked_dot(b_qt, b_do, DOT_PRECISION) - chunked_dot(b_wt, b_du, DOT_PRECISION)
+        b_dh = chunked_dot(-b_wt, b_du, DOT_PRECISION, chunked_dot(b_qt, b_do, DOT_PRECISION, b_dh))
 
     if HAS_H0:
         tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
@@ -1086,12 +1089,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
         q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    num_warps = chunked_warps(chunk)
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
     # more than the shared memory holds twice at head dim 128
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=num_warps, num_stages=1)
+                num_warps=CHUNKED_WARPS, num_stages=1)
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
     dd_part = torch.empty(NV, B, T, H, **f32)
@@ -1111,7 +1113,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunked_bwd_qk_kernel[(n_chunks, H)](
         q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, num_stages=1,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_WARPS, num_stages=1,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 

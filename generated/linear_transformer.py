@@ -405,18 +405,23 @@ def chunked_round_bf16(x):
 
 
 @triton.jit
-def chunked_dot(a, b, DOT_PRECISION: tl.constexpr):
-    # "ieee": fp32 products (fp32 and fp64 inputs); "bf16" / "fp16": operands in that dtype on the
-    # tensor cores, accumulated in fp32; "bf16_emulated": the same products, bf16-rounded operands
-    # multiplied in fp32 (Triton's interpreter multiplies bf16 tl.dot operands as raw bits)
+def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
+    # a @ b (+ acc, float32). "ieee": fp32 products (fp64 inputs, and the interpreter); "tf32x3":
+    # fp32 inputs on the tensor cores, each operand split in two tf32 parts (three products, about
+    # fp32's accuracy); "bf16" / "fp16": operands in that dtype on the tensor cores, accumulated in
+    # fp32; "bf16_emulated": the same products, bf16-rounded operands multiplied in fp32 (Triton's
+    # interpreter multiplies bf16 tl.dot operands as raw bits). A sum of two products is one
+    # accumulating into the other (acc), never two dot results added.
     if DOT_PRECISION == "bf16":
-        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "fp16":
-        c = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        c = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     elif DOT_PRECISION == "bf16_emulated":
-        c = tl.dot(chunked_round_bf16(a), chunked_round_bf16(b), input_precision="ieee")
+        c = tl.dot(chunked_round_bf16(a), chunked_round_bf16(b), acc, input_precision="ieee")
+    elif DOT_PRECISION == "tf32x3":
+        c = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
-        c = tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b, acc, input_precision="ieee")
     return c
 
 
@@ -481,7 +486,7 @@ def chunked_states_kernel(
         b_u = b_v
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_kt_rest = b_kt
-        b_h += chunked_dot(b_kt_rest, b_u, DOT_PRECISION)
+        b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
         b_z = b_z + tl.sum(b_kt_rest, 1)
 
     if STORE_HT:
@@ -547,7 +552,7 @@ def chunked_output_kernel(
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     # [BT, BV] the values the chunk writes
     b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_o = chunked_dot(b_qg, b_hc, DOT_PRECISION) + chunked_dot(b_P, b_u, DOT_PRECISION)
+    b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
     # [BF] the chunk-start normalizer; [BT] n_t = z_t.q_t + eps, z_t the normalizer after token t
     b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_f, other=0.0)
     b_n = tl.sum(b_qg * b_zc[None, :], 1) + tl.sum(b_P, 1) + 1e-06
@@ -566,7 +571,7 @@ def chunked_dot_precision(dtype):
         return "fp16"
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
-    return "ieee"
+    return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
 
 
 # Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
@@ -605,11 +610,10 @@ def chunked_blocks(K, V, F):
     return BK, BF, BV
 
 
-def chunked_warps(chunk):
-    # Two warps for 64-token chunks: Triton 3.4-3.7 miscompiled the chunked kernels' 64-row wgmma
-    # dots on Hopper (wrong outputs or an illegal address with 4 or 8 warps, bf16 / fp16); with two
-    # warps no dot takes the wgmma path (fla-org/flash-linear-attention#984 saw the same)
-    return 2 if chunk == 64 else 4
+# Warps of the chunked kernels. Two warps (64 threads) holding a 64-token chunk's [64, 128] float32
+# tiles spilled registers (ptxas -v, sm_90a: a 72 KB stack frame in the delta-rule backward) and
+# compiled 3x slower; with four, 64-row dots take Hopper's wgmma path (checked by tests/gpu).
+CHUNKED_WARPS = 4
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
@@ -636,7 +640,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=chunked_warps(chunk), num_stages=pipeline_stages(stage_bytes), **meta,
+        num_warps=CHUNKED_WARPS, num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
 
@@ -658,7 +662,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(chunk),
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=CHUNKED_WARPS,
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -771,7 +775,7 @@ def chunked_bwd_kernel(
         b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
         b_k_rest = b_k
         # inside the chunk, the pairs s < t: dq̂ += dP K̂, dk̂^T = Q̂^T dP
-        b_dq += chunked_dot(b_dP, b_k, DOT_PRECISION)
+        b_dq = chunked_dot(b_dP, b_k, DOT_PRECISION, b_dq)
         b_dkt = chunked_dot(b_qt, b_dP, DOT_PRECISION)
         # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
         b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
@@ -783,7 +787,7 @@ def chunked_bwd_kernel(
         tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
         b_qt_g = b_qt
-        b_dh += chunked_dot(b_qt_g, b_do, DOT_PRECISION)
+        b_dh = chunked_dot(b_qt_g, b_do, DOT_PRECISION, b_dh)
         b_dz = b_dz + tl.sum(b_qt_g * b_c[None, :], 1)
 
     if HAS_H0:
@@ -877,7 +881,6 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
         q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    num_warps = chunked_warps(chunk)
     # the normalizer n and the value blocks' shares of c, from the forward's output kernel
     norm = torch.empty(B, T, H, **f32)
     c_part = torch.empty(NV, B, T, H, **f32)
@@ -885,13 +888,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, None, h, None, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=num_warps,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=CHUNKED_WARPS,
     )
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
     # more than the shared memory holds twice at head dim 128
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=num_warps, num_stages=1)
+                num_warps=CHUNKED_WARPS, num_stages=1)
     c = c_part.sum(0) if NV > 1 else c_part[0]
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
@@ -910,7 +913,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunked_bwd_qk_kernel[(n_chunks, H)](
         q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=num_warps, num_stages=1,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_WARPS, num_stages=1,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
