@@ -8,14 +8,13 @@
 # ("fwd bwd" by default, "" for none). Each part has its own time limit (GPU_BENCH_S per pass,
 # GPU_TESTS_S, seconds) so that every part's output comes back; full logs go to $OUT (when
 # set); short tables are printed. Compiled kernels are cached in .triton_cache, so a second
-# call on a machine still warm skips their compilation; the tests of one spec run in one
-# process (--dist loadgroup), so each kernel variant is compiled once.
+# call on a machine still warm skips their compilation; the tests of one spec and dtype run in
+# one process (--dist loadgroup), so each kernel variant is compiled once, and GPU_TESTS_N
+# processes (12) compile side by side: compilation is most of the tests' time.
 set -uo pipefail
 cd "$(dirname "$0")"
 OUT=${OUT:-/tmp/attngen_out}
 mkdir -p "$OUT"
-# a cache brought back from an earlier machine ($OUT/triton_cache.tgz, carried as .triton_cache.tgz)
-[ -f .triton_cache.tgz ] && tar -xzf .triton_cache.tgz
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=$PWD/.triton_cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,10 +28,9 @@ for pass in ${GPU_BENCH-fwd bwd}; do
 done
 [ $# -gt 0 ] || set -- tests/gpu
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
-GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n "${GPU_TESTS_N:-6}" --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \
+GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n "${GPU_TESTS_N:-12}" --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \
   > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?: $(grep -c ' PASSED ' "$OUT/gpu_tests.log") passed, $(grep -c ' FAILED ' "$OUT/gpu_tests.log") failed"
 grep -E "passed|failed" "$OUT/gpu_tests.log" | tail -1
 head -c 4000 "$OUT/gpu_failures.txt" 2>/dev/null
 grep -A10 "slowest" "$OUT/gpu_tests.log" | head -12
-tar -czf "$OUT/triton_cache.tgz" .triton_cache 2>/dev/null; ls -la "$OUT/triton_cache.tgz" | awk '{print "triton cache", $5, "bytes"}'

@@ -24,7 +24,7 @@ def _cases():
             for T in (63, 1000, 8192):
                 for d in (64, 100, 128):
                     yield pytest.param(path, dname, T, d, id=f"{path.stem}-{dname}-T{T}-D{d}",
-                                       marks=pytest.mark.xdist_group(path.stem))
+                                       marks=pytest.mark.xdist_group(f"{path.stem}-{dname}"))
 
 
 @pytest.mark.parametrize("path,dname,T,d", list(_cases()))

@@ -26,7 +26,7 @@ def _cases():
                             (1000, (32, 64, 100, 128, 256)), (8192, (64, 128))):
                 for d in dims:
                     yield pytest.param(path, dname, T, d, id=f"{path.stem}-{dname}-T{T}-D{d}",
-                                       marks=pytest.mark.xdist_group(path.stem))
+                                       marks=pytest.mark.xdist_group(f"{path.stem}-{dname}"))
 
 
 def _oracle(op, inputs, T):
