@@ -613,10 +613,17 @@ def chunked_blocks(K, V, F):
     return BK, BF, BV
 
 
-# Warps of the chunked kernels. Two warps (64 threads) holding a 64-token chunk's [64, 128] float32
-# tiles spilled registers (ptxas -v, sm_90a: a 72 KB stack frame in the delta-rule backward) and
-# compiled 3x slower; with four, 64-row dots take Hopper's wgmma path (checked by tests/gpu).
-CHUNKED_WARPS = 4
+def chunked_warps(dtype):
+    """Warps of the chunked forward's passes. Four for float32 inputs (tf32x3
+    dots): two (64 threads) holding a 64-token chunk's [64, 128] float32 tiles spilled registers and
+    compiled 3x slower. Two for 16-bit inputs: with four, Triton 3.6 miscompiled the 64-row wgmma
+    dots on the H200 at K = V = 128 (wrong outputs, illegal addresses; BENCHMARKS.md)."""
+    return 4 if dtype == torch.float32 else 2
+
+
+# Warps of the backward kernels, every dtype: at four, float32 asked for more shared memory than
+# the H200 has (294,912 bytes); 16-bit inputs miscompile there as in the forward.
+CHUNKED_BWD_WARPS = 2
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
@@ -643,7 +650,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=CHUNKED_WARPS, num_stages=pipeline_stages(stage_bytes), **meta,
+        num_warps=chunked_warps(q.dtype), num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
 
@@ -665,7 +672,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=CHUNKED_WARPS,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(q.dtype),
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -929,7 +936,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     # more than the shared memory holds twice at head dim 128
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=CHUNKED_WARPS, num_stages=1)
+                num_warps=CHUNKED_BWD_WARPS, num_stages=1)
     c = None
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
@@ -949,7 +956,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunked_bwd_qk_kernel[(n_chunks, H)](
         q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_WARPS, num_stages=1,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_BWD_WARPS, num_stages=1,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
