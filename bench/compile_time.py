@@ -1,0 +1,123 @@
+"""Compile a spec's Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report each
+kernel's compile time, warps, shared memory and ptxas's registers and spills.
+
+    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--bwd]
+
+The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
+compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
+and their specializations are exactly those a GPU call of the same shapes compiles. Needs the
+Triton of the GPU machine (its ptxas ships in the wheel); TRITON_INTERPRET must be unset. A fresh
+Triton cache each run, so the times are compilations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attngen
+import attngen.runtime
+from attngen.testing import Shape, random_inputs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Sm90Driver(CudaDriver):
+    """The CUDA driver's compile-side answers for an H100 / H200, with no GPU behind them."""
+
+    def __init__(self):
+        pass
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def ptxas_info(ptxas: Path, ptx: Path) -> str:
+    out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
+                         capture_output=True, text=True, check=False).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.search(r"(\d+) bytes spill stores", out)
+    return f"{regs.group(1) if regs else '?':>4} regs {spills.group(1) if spills else '?':>7} B spilled"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("spec")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--T", type=int, default=63)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("compile_time.py compiles for the GPU: unset TRITON_INTERPRET")
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen_compile_")   # every kernel compiled afresh
+
+    compiled = []
+
+    def compile_only(self, *a, grid, warmup, **kw):
+        return run(self, *a, grid=grid, warmup=True, **kw)
+
+    def timed(self, *a, **kw):
+        t = time.perf_counter()
+        kernel = do_compile(self, *a, **kw)
+        compiled.append((time.perf_counter() - t, self._fn_name.rsplit(".", 1)[-1], kernel))
+        return kernel
+
+    run, do_compile = JITFunction.run, JITFunction._do_compile
+    JITFunction.run, JITFunction._do_compile = compile_only, timed
+    driver.set_active(Sm90Driver())
+    os.environ["ATTNGEN_BACKEND"] = "triton"
+    attngen.runtime._use_kernels = lambda q: True   # the kernels, on CPU tensors, without the interpreter
+
+    op = attngen.load(args.spec)
+    dtype = DTYPES[args.dtype]
+    shape = Shape(batch=1, q_len=args.T, heads=2, head_dim=args.D, value_dim=args.D)
+    inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape, seed=0).items()}
+    if args.bwd:
+        for t in inputs.values():
+            if t.is_floating_point():
+                t.requires_grad_(True)
+    t0 = time.perf_counter()
+    out = op(**inputs)
+    if args.bwd:
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+    total = time.perf_counter() - t0
+
+    import triton
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D}{' +bwd' if args.bwd else ''}: "
+          f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
+    for seconds, name, kernel in compiled:
+        md = kernel.metadata
+        info = ""
+        if ptxas.exists() and "ptx" in kernel.asm:
+            tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"attngen_{name}.ptx"
+            tmp.write_text(kernel.asm["ptx"])
+            info = ptxas_info(ptxas, tmp)
+            tmp.unlink()
+        print(f"{seconds:7.1f} s  {name:28s} warps {md.num_warps}  shared {md.shared:>7} B  {info}")
+
+
+if __name__ == "__main__":
+    main()
