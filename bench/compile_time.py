@@ -112,10 +112,10 @@ def main():
         md = kernel.metadata
         info = ""
         if ptxas.exists() and "ptx" in kernel.asm:
-            tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"attngen_{name}.ptx"
-            tmp.write_text(kernel.asm["ptx"])
-            info = ptxas_info(ptxas, tmp)
-            tmp.unlink()
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as tmp:
+                tmp.write(kernel.asm["ptx"])
+                tmp.flush()
+                info = ptxas_info(ptxas, Path(tmp.name))
         print(f"{seconds:7.1f} s  {name:28s} warps {md.num_warps}  shared {md.shared:>7} B  {info}")
 
 
