@@ -186,12 +186,13 @@ def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
 
 class _SafeLoader(yaml.SafeLoader):
     """SafeLoader whose scalar constructors fail with a located YAMLError: PyYAML's own raise
-    ValueError, KeyError or AttributeError for e.g. `2001-13-45`, `!!bool maybe`."""
+    ValueError, KeyError, IndexError or AttributeError for e.g. `2001-13-45`, `!!bool maybe`,
+    `!!int ` (empty)."""
 
     def construct_object(self, node, deep=False):
         try:
             return super().construct_object(node, deep=deep)
-        except (ValueError, KeyError, AttributeError, TypeError, OverflowError) as e:
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError, OverflowError) as e:
             raise yaml.constructor.ConstructorError(
                 None, None, f"cannot read the value {node.value!r} as {node.tag.rsplit(':', 1)[-1]} ({e})",
                 node.start_mark) from None

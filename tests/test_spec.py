@@ -216,6 +216,7 @@ BAD = [
     ("malformed_bad_bool", y(*LIN, "mask: !!bool maybe"), None, "'maybe'", 3),
     ("malformed_bad_timestamp", y(*LIN, "favor_plus:", "  seed: !!timestamp soon"), None, "'soon'", 4),
     ("malformed_bad_int", y(*LIN, "window: !!int 0x"), None, "'0x'", 3),
+    ("malformed_empty_int", y(*LIN, "window: !!int "), None, "''", 3),
     ("empty_file", "", None, None, None),
     ("comment_only_file", y("# nothing here"), None, None, None),
     ("top_level_list", y("- name: a", "- attention: linear"), None, None, 1),
