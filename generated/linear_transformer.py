@@ -601,6 +601,15 @@ def chunk_slots(cu_seqlens, B, T, chunk):
     return ends - lens, chunk_seq, n_slots
 
 
+def chunked_dims(q, v, omega):
+    """(B, T, H, K, V, F, VS) of a call: q [B, T, H, K], v [.., V], F features (FAVOR+'s rows of
+    omega, else K) and VS state columns (V + 1: the normalizer column)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    F = omega.shape[0] if omega is not None else K
+    return B, T, H, K, V, F, V + 1
+
+
 def chunked_blocks(K, V, F):
     """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
     # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
@@ -628,10 +637,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
     n_slots). Shared by the forward and the backward."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    F = omega.shape[0] if omega is not None else K
-    VS = V + 1  # the normalizer column
+    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
@@ -657,10 +663,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
     if chunk not in (16, 32, 64):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    F = omega.shape[0] if omega is not None else K
-    VS = V + 1  # the normalizer column
+    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, BV = chunked_blocks(K, V, F)
     h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
         q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
@@ -877,10 +880,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    F = omega.shape[0] if omega is not None else K
-    VS = V + 1  # the normalizer column
+    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
     NV = triton.cdiv(V, BV)
