@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.driver import CudaDriver
 from triton.runtime import driver
@@ -104,7 +105,6 @@ def main():
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     total = time.perf_counter() - t0
 
-    import triton
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
