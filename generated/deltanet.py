@@ -797,9 +797,21 @@ def chunked_warps(dtype):
     return 4 if dtype == torch.float32 else 2
 
 
-# Warps of the backward kernels, every dtype: at four, float32 asked for more shared memory than
-# the H200 has (294,912 bytes); 16-bit inputs miscompile there as in the forward.
-CHUNKED_BWD_WARPS = 2
+# Registers per thread of every chunked kernel: all a Hopper thread has, stated rather than left to
+# ptxas. Without .maxnreg, ptxas -O3 allotted some of them 32 registers and spilled the rest: kda
+# bf16 at K = V = 128, 34,280 B in the forward's state pass; the delta-rule backward, 81,948 B in
+# fp32 (bench/compile_time.py).
+MAXNREG = 255
+
+# The chunked backward: four warps and at most 32-token chunks (it recomputes its states, so its
+# chunk need not be the forward's). kda fp32 at K = V = 128:
+# - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran out of
+#   local memory for them;
+# - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
+# - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots have
+#   32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
+CHUNKED_BWD_WARPS = 4
+CHUNKED_BWD_MAX_CHUNK = 32
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
@@ -816,7 +828,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     ai = torch.empty(B, T, H, chunk, **f32)
     chunked_ut_kernel[(n_slots, H)](
         k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, F, K ** -0.25, F ** -0.5, num_warps=chunked_warps(q.dtype), **meta,
+        T, H, K, F, K ** -0.25, F ** -0.5, num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, **meta,
     )
     h = torch.empty(n_slots, H, F, VS, **f32)
     u = torch.empty(B, T, H, V, **f32) if store_u else None
@@ -827,7 +839,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=chunked_warps(q.dtype), num_stages=pipeline_stages(stage_bytes), **meta,
+        num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
 
@@ -846,7 +858,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(q.dtype),
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG,
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -1083,6 +1095,9 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
     if chunk not in (16, 32, 64):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    # at most 32-token chunks whatever the forward's: the backward recomputes its states, and its
+    # tiles at 64 tokens outgrew the registers and shared memory (BENCHMARKS.md)
+    chunk = min(chunk, CHUNKED_BWD_MAX_CHUNK)
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
@@ -1100,7 +1115,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     # more than the shared memory holds twice at head dim 128
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=CHUNKED_BWD_WARPS, num_stages=1)
+                num_warps=CHUNKED_BWD_WARPS, num_stages=1, maxnreg=MAXNREG)
     dq_part = torch.empty(NV, B, T, H, F, **f32)
     dk_part = torch.empty(NV, B, T, H, F, **f32)
     dd_part = torch.empty(NV, B, T, H, **f32)
@@ -1120,7 +1135,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunked_bwd_qk_kernel[(n_chunks, H)](
         q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_BWD_WARPS, num_stages=1,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_BWD_WARPS, num_stages=1, maxnreg=MAXNREG,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
