@@ -388,27 +388,31 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk.
 
 @triton.jit
-def chunked_round_bf16(x):
-    # fp32 -> the nearest bf16 (ties to even), kept in fp32: the value a bf16 tl.dot operand holds
+def chunked_round(x, DROP: tl.constexpr):
+    # fp32 -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the value a
+    # bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
     b_bits = x.to(tl.uint32, bitcast=True)
-    b_bits = (b_bits + 0x7FFF + ((b_bits >> 16) & 1)) & 0xFFFF0000
+    b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32). "ieee": fp32 products (fp64 inputs, and the interpreter); "tf32x3":
-    # fp32 inputs on the tensor cores, each operand split in two tf32 parts (three products, about
-    # fp32's accuracy); "bf16" / "fp16": operands in that dtype on the tensor cores, accumulated in
-    # fp32; "bf16_emulated": the same products, bf16-rounded operands multiplied in fp32 (Triton's
-    # interpreter multiplies bf16 tl.dot operands as raw bits). A sum of two products is one
-    # accumulating into the other (acc), never two dot results added.
+    # a @ b (+ acc, float32) on float32 tiles. "ieee": fp32 products (fp64 inputs, and the
+    # interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand split in two tf32 parts
+    # (three products, about fp32's accuracy); "tf32": fp16 inputs, operands rounded to tf32, which
+    # has fp16's mantissa and fp32's range (FAVOR+ features and states outgrow fp16's 65504);
+    # "bf16": bf16 operands. "*_emulated": the same operand rounding, multiplied in fp32 (Triton's
+    # interpreter multiplies bf16 operands as raw bits and tf32 ones unrounded). A sum of two
+    # products is one accumulating into the other (acc), never two dot results added.
     if DOT_PRECISION == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    elif DOT_PRECISION == "fp16":
-        c = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     elif DOT_PRECISION == "bf16_emulated":
-        c = tl.dot(chunked_round_bf16(a), chunked_round_bf16(b), acc, input_precision="ieee")
+        c = tl.dot(chunked_round(a, 16), chunked_round(b, 16), acc, input_precision="ieee")
+    elif DOT_PRECISION == "tf32":
+        c = tl.dot(a, b, acc, input_precision="tf32")
+    elif DOT_PRECISION == "tf32_emulated":
+        c = tl.dot(chunked_round(a, 13), chunked_round(b, 13), acc, input_precision="ieee")
     elif DOT_PRECISION == "tf32x3":
         c = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
@@ -556,7 +560,7 @@ def chunked_output_kernel(
 def chunked_dot_precision(dtype):
     """The chunked kernels' DOT_PRECISION for inputs of this dtype."""
     if dtype == torch.float16:
-        return "fp16"
+        return "tf32_emulated" if interpreted() else "tf32"
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
@@ -608,11 +612,11 @@ def chunked_blocks(K, V, F):
 
 
 def chunked_warps(dtype):
-    """Warps of the chunked forward's passes. Four for float32 inputs (tf32x3
-    dots): two (64 threads) holding a 64-token chunk's [64, 128] float32 tiles spilled registers and
-    compiled 3x slower. Two for 16-bit inputs: with four, Triton 3.6 miscompiled the 64-row wgmma
-    dots on the H200 at K = V = 128 (wrong outputs, illegal addresses; BENCHMARKS.md)."""
-    return 4 if dtype == torch.float32 else 2
+    """Warps of the chunked forward's passes. Four for fp32 and fp16 inputs (tf32 dots): two (64
+    threads) holding a 64-token chunk's [64, 128] float32 tiles spilled registers and compiled 3x
+    slower. Two for bf16: with four, Triton 3.6 miscompiled the 64-row wgmma dots of 16-bit
+    operands on the H200 at K = V = 128 (wrong outputs, illegal addresses; BENCHMARKS.md)."""
+    return 2 if dtype == torch.bfloat16 else 4
 
 
 # Registers per thread of every chunked kernel: all a Hopper thread has, stated rather than left to

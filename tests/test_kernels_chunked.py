@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
-from attngen.testing import Shape, compare, random_inputs, rel_error
-from attngen.reference import reference
+from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
+from attngen.reference import random_features, reference
 
 from strategies import causal_linear, legal_specs
 
@@ -45,10 +45,14 @@ def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", c
           initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
     op = attngen.load(SPECS[name])
     inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
+    check_inputs(op, inputs, dtype, form, chunk)
+
+
+def check_inputs(op, inputs: dict, dtype, form: str = "chunked", chunk: int | None = 16) -> None:
     fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)
     rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
-    assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)
+    assert not failures, f"{op.spec.name} {form}(chunk={chunk}) {dtype} on {inputs['q'].shape}:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -102,6 +106,27 @@ def test_strong_decay(name):
 @pytest.mark.parametrize("name", ["linear_transformer", "gated_deltanet", "kda"])
 def test_float16(name):
     check(name, Shape(batch=1, q_len=37, heads=2, head_dim=8, value_dim=6), torch.float16, chunk=32)
+
+
+def test_float16_features_beyond_its_range():
+    """FAVOR+ features of fp16 inputs can exceed fp16's 65504 (exp(|w|^2 / 2) for a key along a
+    random feature w): the kernels' dots keep them (tf32 operands), the output stays finite and
+    right."""
+    op = attngen.load(SPECS["performer"])
+    shape = Shape(batch=1, q_len=37, heads=2, head_dim=64, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=3)
+    omega = random_features(op.spec, 64)
+    # a key along the longest random feature: xs = k K^-1/4 = w, feature exp(|w|^2 / 2) / sqrt(16)
+    w = omega[omega.norm(dim=1).argmax()]
+    inputs["k"][0, 5, :] = w * 64 ** 0.25
+    assert float(w.norm()) ** 2 / 2 > 12          # e^12 / 4 > 65504
+    ref_o, ref_s = reference(op.spec, **inputs, output_final_state=True)
+    # plain fp16 PyTorch overflows here: the tolerance is fp16's floor, not relative to it
+    o, s = op(**{n: (t.half() if n in ("q", "k", "v") else t) for n, t in inputs.items()},
+              output_final_state=True, form="chunked", chunk_size=32)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_error(o, ref_o) <= tolerance(torch.float16, None)
+    assert rel_error(s, ref_s) <= tolerance(torch.float16, None)
 
 
 @pytest.mark.parametrize("name", ["performer", "gated_deltanet"])
