@@ -651,6 +651,13 @@ CHUNKED_BWD_WARPS = 4
 CHUNKED_BWD_MAX_CHUNK = 32
 
 
+def chunked_fwd_chunk(chunk, dtype, BF):
+    """The forward's chunk: at most 32 tokens for float32 inputs with over 128 feature lanes. At 64,
+    the output pass's tf32x3 dots of [64, 256] tiles asked for 262,144 B of shared memory (the H200
+    has 232,448; bench/compile_time.py); the outputs do not depend on the chunk."""
+    return min(chunk, 32) if dtype == torch.float32 and BF > 128 else chunk
+
+
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
     """The UT transform (none: additive rule) and the sequential pass: ->
     (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
@@ -684,6 +691,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, BV = chunked_blocks(K, V, F)
+    chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
     h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
         q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
     o = torch.empty_like(v)
