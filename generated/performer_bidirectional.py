@@ -39,6 +39,36 @@ def phi_grad(x):
     return x
 
 
+# FAVOR+'s exponents w_m . x - |x|^2 / 2 of x = q K^-1/4 (or k), summed in float64 and rounded once:
+# exp turns their absolute error into the features' relative error, and float32 dots over K = 256
+# erred some 4e-6 there, 4x plain PyTorch (performer_bidirectional at T = 1, BENCHMARKS.md).
+@triton.jit
+def favor_exponent_row(w, x):
+    # w [BF, BK], x [BK] -> [BF]
+    x = x.to(tl.float64)
+    return (tl.sum(w.to(tl.float64) * x[None, :], 1) - 0.5 * tl.sum(x * x, 0)).to(tl.float32)
+
+
+# The tiles' projections are float64 dots only where the kernel asks (F64: the bidirectional form's,
+# float32 inputs): Triton 3.6 does not lower them in every layout ("fp64 don't support largeK MMA":
+# the chunked backward, the bidirectional form's bf16 tiles), and the chunked state pass at K = 256
+# lacks the shared memory they take.
+@triton.jit
+def favor_exponent_tile(x, w_t, F64: tl.constexpr):
+    # x [BT, BK], w_t [BK, BF] -> [BT, BF]
+    if F64:
+        x, w_t = x.to(tl.float64), w_t.to(tl.float64)
+    return (tl.dot(x, w_t, input_precision="ieee") - 0.5 * tl.sum(x * x, 1)[:, None]).to(tl.float32)
+
+
+@triton.jit
+def favor_exponent_tile_t(w, x, F64: tl.constexpr):
+    # w [BF, BK], x [BK, BT] -> [BF, BT]
+    if F64:
+        w, x = w.to(tl.float64), x.to(tl.float64)
+    return (tl.dot(w, x, input_precision="ieee") - 0.5 * tl.sum(x * x, 0)[None, :]).to(tl.float32)
+
+
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
@@ -89,9 +119,9 @@ def recurrent_fwd_kernel(
         # [BV]
         b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_q = b_q * x_scale
-        b_q = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q[None, :], 1) - 0.5 * tl.sum(b_q * b_q, 0)) * f_scale, 0.0)
+        b_q = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_q)) * f_scale, 0.0)
         b_k = b_k * x_scale
-        b_k = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k[None, :], 1) - 0.5 * tl.sum(b_k * b_k, 0)) * f_scale, 0.0)
+        b_k = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_k)) * f_scale, 0.0)
         b_q = b_q * scale
         b_h += b_k[:, None] * b_v[None, :]
         # [BV]
@@ -198,9 +228,9 @@ def recurrent_bwd_fwd_kernel(
         # [BV]
         b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_q = b_q * x_scale
-        b_q = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q[None, :], 1) - 0.5 * tl.sum(b_q * b_q, 0)) * f_scale, 0.0)
+        b_q = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_q)) * f_scale, 0.0)
         b_k = b_k * x_scale
-        b_k = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k[None, :], 1) - 0.5 * tl.sum(b_k * b_k, 0)) * f_scale, 0.0)
+        b_k = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_k)) * f_scale, 0.0)
         b_q = b_q * scale
         b_h += b_k[:, None] * b_v[None, :]
         b_z += b_k
@@ -266,9 +296,9 @@ def recurrent_bwd_rev_kernel(
         b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_q = b_q * x_scale
-        b_q = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q[None, :], 1) - 0.5 * tl.sum(b_q * b_q, 0)) * f_scale, 0.0)
+        b_q = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_q)) * f_scale, 0.0)
         b_k = b_k * x_scale
-        b_k = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k[None, :], 1) - 0.5 * tl.sum(b_k * b_k, 0)) * f_scale, 0.0)
+        b_k = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_k)) * f_scale, 0.0)
         b_q = b_q * scale
         # [BV]
         b_dn = tl.load(do + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
@@ -329,12 +359,12 @@ def recurrent_bwd_finish_kernel(
         b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_q_s = b_q * x_scale
-        b_q_phi = tl.where(m_f, tl.exp(tl.sum(b_omega * b_q_s[None, :], 1) - 0.5 * tl.sum(b_q_s * b_q_s, 0)) * f_scale, 0.0)
+        b_q_phi = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_q_s)) * f_scale, 0.0)
         # through exp: dp = phi ⊙ dphi [BF]; through p = Ω x' - |x'|^2 / 2 and x' = x K^-1/4: [BK]
         b_dq = b_dq * b_q_phi
         b_dq = (tl.sum(b_omega * b_dq[:, None], 0) - b_q_s * tl.sum(b_dq, 0)) * x_scale
         b_k_s = b_k * x_scale
-        b_k_phi = tl.where(m_f, tl.exp(tl.sum(b_omega * b_k_s[None, :], 1) - 0.5 * tl.sum(b_k_s * b_k_s, 0)) * f_scale, 0.0)
+        b_k_phi = tl.where(m_f, tl.exp(favor_exponent_row(b_omega, b_k_s)) * f_scale, 0.0)
         # through exp: dp = phi ⊙ dphi [BF]; through p = Ω x' - |x'|^2 / 2 and x' = x K^-1/4: [BK]
         b_dk = b_dk * b_k_phi
         b_dk = (tl.sum(b_omega * b_dk[:, None], 0) - b_k_s * tl.sum(b_dk, 0)) * x_scale
@@ -405,7 +435,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # One program per (value block, sequence x head) makes two passes over the sequence's token
 # tiles [BT, *]: the first accumulates the state block [BF, BV] and z [BF], the second
 # reads out o = q̂ S / (q̂ z + eps). Keys are featurized transposed, [BK, BT] -> [BF, BT],
-# so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee".
+# so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee"
+# (FAVOR+'s projections float64 for float32 inputs: F64).
 
 @triton.jit
 def bidirectional_fwd_kernel(
@@ -416,7 +447,7 @@ def bidirectional_fwd_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F64: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -452,7 +483,7 @@ def bidirectional_fwd_kernel(
         # [BK, BT] keys, loaded transposed -> [BF, BT] features
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         b_kt = b_kt * x_scale
-        b_kt = tl.dot(b_omega, b_kt, input_precision="ieee") - 0.5 * tl.sum(b_kt * b_kt, 0)[None, :]
+        b_kt = favor_exponent_tile_t(b_omega, b_kt, F64)
         b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
         # [BT, BV]
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -470,7 +501,7 @@ def bidirectional_fwd_kernel(
         # [BT, BK] -> [BT, BF]
         b_q = tl.load(q + i_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_q = b_q * x_scale
-        b_q = tl.dot(b_q, b_omega_t, input_precision="ieee") - 0.5 * tl.sum(b_q * b_q, 1)[:, None]
+        b_q = favor_exponent_tile(b_q, b_omega_t, F64)
         b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
         b_q = b_q * scale
         # [BT, BV]
@@ -504,7 +535,7 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=BT, BK=BK, BF=BF, BV=BV,
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        num_warps=4 if BF <= 64 else 8, num_stages=2,
+        F64=q.dtype == torch.float32, num_warps=4 if BF <= 64 else 8, num_stages=2,
     )
     return o, ht
 
