@@ -636,6 +636,12 @@ CHUNKED_BWD_WARPS = 4
 CHUNKED_BWD_MAX_CHUNK = 32
 
 
+def chunked_check_chunk(chunk):
+    """The chunk sizes the chunked kernels take (their UT transform works in 16-token blocks)."""
+    if chunk not in (16, 32, 64):
+        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+
+
 def chunked_fwd_chunk(chunk, dtype, BF):
     """The forward's chunk: at most 32 tokens for float32 inputs with over 128 feature lanes. At 64,
     the output pass's tf32x3 dots of [64, 256] tiles asked for 262,144 B of shared memory (the H200
@@ -672,8 +678,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
-    if chunk not in (16, 32, 64):
-        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    chunked_check_chunk(chunk)
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
@@ -912,8 +917,7 @@ def chunked_bwd_qk_kernel(
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
-    if chunk not in (16, 32, 64):
-        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
+    chunked_check_chunk(chunk)
     # at most 32-token chunks whatever the forward's: the backward recomputes its states, and its
     # tiles at 64 tokens outgrew the registers and shared memory (BENCHMARKS.md)
     chunk = min(chunk, CHUNKED_BWD_MAX_CHUNK)

@@ -45,14 +45,10 @@ def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", c
           initial_state: bool = True, seed: int = 0, decay_strength: float = 1.0) -> None:
     op = attngen.load(SPECS[name])
     inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state, decay_strength=decay_strength)
-    check_inputs(op, inputs, dtype, form, chunk)
-
-
-def check_inputs(op, inputs: dict, dtype, form: str = "chunked", chunk: int | None = 16) -> None:
     fn = lambda **kw: op(**kw, form=form, chunk_size=chunk if form == "chunked" else None)
     rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
-    assert not failures, f"{op.spec.name} {form}(chunk={chunk}) {dtype} on {inputs['q'].shape}:\n" + "\n".join(failures)
+    assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
