@@ -168,6 +168,15 @@ def packed_max_len(cu_seqlens, max_len):
     return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+def softmax_fwd_config(BK, BV, size, max_len):
+    """(BM, BN, num_warps, num_stages) of the forward: query rows per program, keys per tile, warps
+    and software-pipeline stages. The query tile within 32 KiB and a stage of key + value tiles
+    within 64 KiB of shared memory; rows capped by the longest sequence."""
+    BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
+    BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
+    return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2
+
+
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] contiguous (g
     [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
@@ -188,10 +197,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    size = q.element_size()
-    # the query tile within 32 KiB and a stage of key + value tiles within 64 KiB of shared memory
-    BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
-    BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
+    BM, BN, warps, stages = softmax_fwd_config(BK, BV, q.element_size(), max_len)
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
     grid = (triton.cdiv(max_len, BM), N * H)
@@ -201,7 +207,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32",
-        num_warps=4 if max(BK, BV) <= 64 else 8, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     return o, lse
 # ---------------------------------------------------------------------------- softmax backward
@@ -482,14 +488,15 @@ def softmax_bwd_dkdv_kernel(
     tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
 
-def _bwd_blocks(max_len, BK, BV, size, acc_size):
-    """(program block, inner tile, num_warps). A program's block holds its resident tiles and
+def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
+    """(program block, inner tile, num_warps, num_stages) of a backward kernel ("dq": query blocks,
+    key tiles; "dkdv": key blocks, query tiles). A program's block holds its resident tiles and
     two float32 (float64) accumulators of BK + BV columns within 64 KiB of registers; a stage of
     the inner tiles it streams (BK + BV columns in the input dtype) within 32 KiB of shared memory."""
     cap = max(16, triton.next_power_of_2(max_len))
     block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc_size))))
     tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
-    return block, tile, 8 if block * (BK + BV) > 4096 else 4
+    return block, tile, 8 if block * (BK + BV) > 4096 else 4, 2
 
 
 def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
@@ -523,25 +530,25 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
         o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
-    BM, BN, warps = _bwd_blocks(max_q, BK, BV, size, acc_size)
+    BM, BN, warps, stages = softmax_bwd_config("dq", max_q, BK, BV, size, acc_size)
     dq = q.new_empty(q.shape)
     softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM), N * H)](
         q_in, k, v, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
 
     # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
-    BN, BM, warps = _bwd_blocks(max_k, BK, BV, size, acc_size)
+    BN, BM, warps, stages = softmax_bwd_config("dkdv", max_k, BK, BV, size, acc_size)
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * H)](
         q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
         Tq, Tk, H, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if is_fp64:
         # dq = scale dS k; dk = scale dS^T q = dS^T q_in / log2(e)
