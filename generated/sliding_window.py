@@ -176,9 +176,14 @@ def packed_max_len(cu_seqlens, max_len):
 def softmax_fwd_config(BK, BV, size, max_len):
     """(BM, BN, num_warps, num_stages) of the forward: query rows per program, keys per tile, warps
     and software-pipeline stages. The query tile within 32 KiB and a stage of key + value tiles
-    within 64 KiB of shared memory; rows capped by the longest sequence."""
+    within 64 KiB of shared memory; rows capped by the longest sequence. 16-bit inputs up to 128
+    lanes: 64 x 64 tiles, four warps, three stages, the fastest of 36 configurations on the H200
+    (softmax_causal B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms at eight warps and two stages;
+    bench/tune_softmax.py, BENCHMARKS.md)."""
     BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
     BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
+    if size == 2 and max(BK, BV) <= 128:
+        return BM, BN, 4, 3
     return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2
 
 
@@ -507,8 +512,15 @@ def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
     """(program block, inner tile, num_warps, num_stages) of a backward kernel ("dq": query blocks,
     key tiles; "dkdv": key blocks, query tiles). A program's block holds its resident tiles and
     two float32 (float64) accumulators of BK + BV columns within 64 KiB of registers; a stage of
-    the inner tiles it streams (BK + BV columns in the input dtype) within 32 KiB of shared memory."""
+    the inner tiles it streams (BK + BV columns in the input dtype) within 32 KiB of shared memory.
+    16-bit inputs up to 128 lanes take the fastest of 36 configurations per kernel on the H200
+    (softmax_causal B4 T8192 H16 D128 bf16; bench/tune_softmax.py --bwd, BENCHMARKS.md): dq 128-query
+    blocks and 128-key tiles at eight warps, dk/dv 64-key blocks and 64-query tiles at four warps,
+    two stages each (forward + backward 11.2 ms, from 19.9 ms)."""
     cap = max(16, triton.next_power_of_2(max_len))
+    if size == 2 and max(BK, BV) <= 128:
+        block, tile, warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
+        return min(block, cap), min(tile, cap), warps, 2
     block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc_size))))
     tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
     return block, tile, 8 if block * (BK + BV) > 4096 else 4, 2
