@@ -158,6 +158,7 @@ def main():
     p.add_argument("--bwd", action="store_true")
     p.add_argument("--cases", default="")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="time attngen alone (no baseline call, no autotune)")
     args = p.parse_args()
     dtype = torch.bfloat16
     table = cases(args)
@@ -181,12 +182,13 @@ def main():
             continue
         nbytes = sum(x.numel() * x.element_size() for x in (t["q"], t["k"], t["v"])) + o.numel() * o.element_size()
         floor_ms = nbytes / COPY_TBPS * 1e3
+        base = f"{'-':>8s} {'-':>6s} {'-':>9s}"
         try:  # a baseline may refuse a case (fla's backward guards on Hopper with Triton < 3.7.1)
-            diff = rel(o.detach(), base_fn(t).detach())
-            base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
-            base = f"{base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e}"
+            if not args.no_baseline:
+                diff = rel(o.detach(), base_fn(t).detach())
+                base_ms = bench(lambda: base_fn(t), args.bwd, list(t.values()))
+                base = f"{base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e}"
         except Exception as e:  # noqa: BLE001
-            base = f"{'-':>8s} {'-':>6s} {'-':>9s}"
             print(f"{name:<20s} {base_name:<40s} baseline failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
         print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base} {floor_ms:6.3f}  first call {first:.1f}s", flush=True)
         if args.profile:
