@@ -197,6 +197,15 @@ def readout(ctx: Ctx, qs, S):
 
 # --------------------------------------------------------------------------- softmax
 
+def share_kv_heads(ctx: Ctx, ks, vs):
+    """Grouped-query attention: [N, H_kv, L, *] keys and values -> [N, H, L, *], query head h
+    reading key / value head h // (H / H_kv)."""
+    group = ctx.call.heads // ctx.call.kv_heads
+    if group == 1:
+        return ks, vs
+    return ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+
+
 SOFTMAX_QUERY_BLOCK = 1024  # queries per block: bounds the [block, Tk] score tile
 
 

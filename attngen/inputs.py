@@ -30,6 +30,7 @@ class Call:
     max_len: int        # longest sequence (Tk, or the longest packed one)
     scale: float
     varlen: bool
+    kv_heads: int       # key / value heads (softmax: H_kv dividing H; linear: H)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -130,19 +131,23 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
         extra = " (V + 1 columns: the last holds the normalizer)" if Vs != V else ""
         _expect("initial_state", initial_state, (N, H, F, Vs), f"[N, H, F, V]{extra}")
         _same("initial_state", initial_state, q, dtype=False)
-    return Call(B, T, T, H, K, V, F, N, max_len, _scale(spec, scale, K), varlen)
+    return Call(B, T, T, H, K, V, F, N, max_len, _scale(spec, scale, K), varlen, H)
 
 
 def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> Call:
     q = _tensor("q", q, 4, "[B, Tq, H, K]")
     B, Tq, H, K = q.shape
-    _tensor("k", k, 4, "[B, Tk, H, K]")
-    Tk = k.shape[1]
-    _expect("k", k, (B, Tk, H, K), "[B, Tk, H, K]")
+    _tensor("k", k, 4, "[B, Tk, H_kv, K]")
+    Tk, Hkv = k.shape[1], k.shape[2]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"k: its heads H_kv = {Hkv} must divide the query heads H = {H} (grouped-query "
+                         f"attention: H // H_kv query heads share a key / value head); got k {_shape(k)}, "
+                         f"q {_shape(q)}")
+    _expect("k", k, (B, Tk, Hkv, K), "[B, Tk, H_kv, K]")
     _same("k", k, q)
-    _tensor("v", v, 4, "[B, Tk, H, V]")
-    if tuple(v.shape[:3]) != (B, Tk, H):
-        raise ValueError(f"v: expected shape [B, Tk, H, V] = [{B}, {Tk}, {H}, V], got {_shape(v)}")
+    _tensor("v", v, 4, "[B, Tk, H_kv, V]")
+    if tuple(v.shape[:3]) != (B, Tk, Hkv):
+        raise ValueError(f"v: expected shape [B, Tk, H_kv, V] = [{B}, {Tk}, {Hkv}, V] (that of k), got {_shape(v)}")
     _same("v", v, q)
     V = v.shape[3]
     if min(B, Tq, H, K, V) == 0:
@@ -161,4 +166,4 @@ def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> C
     if varlen and Tq != Tk:
         raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
     N, max_len = _sequences(cu_seqlens, q, B, Tk)
-    return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen)
+    return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen, Hkv)

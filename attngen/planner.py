@@ -158,7 +158,9 @@ def _linear_forms(spec: Spec) -> tuple[Form, ...]:
 def _softmax_forms(spec: Spec) -> tuple[Form, ...]:
     stages = (
         _s("to_sequences", {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "cu_seqlens": "cu_seqlens"},
-           ("qs", "ks", "vs", "gs", "bs", "valid"), "one padded row per sequence, [N, H, L, *]"),
+           ("qs", "ks_kv", "vs_kv", "gs", "bs", "valid"), "one padded row per sequence, [N, H, L, *] ([N, H_kv, L, *] k, v)"),
+        _s("share_kv_heads", {"ks": "ks_kv", "vs": "vs_kv"}, ("ks", "vs"),
+           "grouped-query attention: each query head's keys and values"),
         _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), "os",
            f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block"),
         _s("from_sequences", {"out": "os", "valid": "valid"}, "o", "back to [B, Tq, H, V]"),

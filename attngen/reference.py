@@ -118,6 +118,8 @@ def softmax_allowed(spec: Spec, Tq: int, Tk: int, device=None) -> torch.Tensor:
 def _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype):
     call = check_softmax(spec, q, k, v, g, scale, cu_seqlens)
     q, k, v = (t.to(dtype) for t in (q, k, v))
+    # grouped-query attention: query head h reads key / value head h // (H / H_kv)
+    k, v = (t.repeat_interleave(call.heads // call.kv_heads, 2) for t in (k, v))
     g = None if g is None else g.to(dtype)
     outs = []
     for b, start, end in _sequences(call.batch, call.k_len, cu_seqlens):

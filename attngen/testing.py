@@ -30,6 +30,7 @@ class Shape:
     head_dim: int = 8
     value_dim: int = 6
     k_len: int | None = None              # softmax only; defaults to q_len
+    kv_heads: int | None = None           # softmax only: key / value heads (dividing heads); defaults to heads
     cu_seqlens: tuple[int, ...] | None = None
 
 
@@ -45,7 +46,8 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
         args.update(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, H, V))
         g_shape = {"none": None, "constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, K)}[spec.decay]
     else:
-        args.update(q=rnd(B, T, H, K), k=rnd(B, Tk, H, K), v=rnd(B, Tk, H, V))
+        Hkv = shape.kv_heads or H
+        args.update(q=rnd(B, T, H, K), k=rnd(B, Tk, Hkv, K), v=rnd(B, Tk, Hkv, V))
         g_shape = (B, Tk, H) if spec.decay == "scalar" else None
     if g_shape is not None:
         # log(sigmoid(x)) spans mild to strong decays; decay_strength scales it.

@@ -32,6 +32,8 @@ def interpreted():
 # (running max b_m, running sum b_l) in registers and streams key/value tiles [BN, *] past them.
 # Scores are in log2 units (log2(e) folded into the scale and into G), so exp2 is exact softmax.
 # Queries sit at key positions t + Tk - Tq (aligned to the end of the keys; varlen: Tq == Tk).
+# Grouped-query attention: keys and values have HK heads, HK dividing H; query head h reads key
+# head h // (H / HK) in place (no copy of k, v per query head).
 # Tile skipping: the loop bounds come from the mask (causal); key tiles no query of the
 # block may see are never loaded, tiles every query sees in full run unmasked, and only the
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
@@ -49,8 +51,8 @@ def softmax_fwd_tiles(
     # pointers
     k, v, gc,
     # dims
-    k_bos, Tk_seq, i_h, lo, hi, qk_scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
     DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -63,14 +65,15 @@ def softmax_fwd_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        i_tok = (k_bos + o_n) * H + i_h
+        # rows of the keys and values (HK heads: query head i_h reads key head i_hk)
+        i_tok = (k_bos + o_n) * HK + i_hk
         # [BK, BN] keys, loaded transposed
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BN, BV]
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
-        b_s += b_gq[:, None] - (tl.load(gc + i_tok, mask=m_n, other=0.0) - g_ref).to(b_s.dtype)[None, :]
+        b_s += b_gq[:, None] - (tl.load(gc + (k_bos + o_n) * H + i_h, mask=m_n, other=0.0) - g_ref).to(b_s.dtype)[None, :]
         if MASKED:
             m_s = m_n[None, :] & (o_n[None, :] <= o_pos[:, None])
             b_s = tl.where(m_s, b_s, float("-inf"))
@@ -92,7 +95,7 @@ def softmax_fwd_kernel(
     # pointers
     q, k, v, gc, o, lse, cu_seqlens,
     # dims
-    Tq, Tk, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -100,6 +103,8 @@ def softmax_fwd_kernel(
 ):
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    # the key / value head of query head i_h: H // HK query heads share one (grouped-query attention)
+    i_hk = i_h // (H // HK)
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         Tq_seq = (tl.load(cu_seqlens + i_n + 1) - q_bos).to(tl.int32)
@@ -147,11 +152,11 @@ def softmax_fwd_kernel(
     b_l = tl.zeros([BM], dtype=ACC)
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_full, i_edge, qk_scale,
-        H, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
+        H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_edge, hi, qk_scale,
-        H, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
+        H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
 
     # every real query sees at least its own key; padding rows may have seen none
     b_l = tl.where(m_m, b_l, 1.0)
@@ -191,12 +196,12 @@ def softmax_fwd_config(BK, BV, size, max_len):
 
 
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
-    """Launch the forward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V] contiguous (g
-    [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
+    """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
+    dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
     -> o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, total] with cu_seqlens), the
     natural-log log-sum-exp of each query's scores."""
     B, Tq, H, K = q.shape
-    Tk, V = k.shape[1], v.shape[-1]
+    Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
         N, max_len = B, Tq
     else:
@@ -218,7 +223,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     grid = (triton.cdiv(max_len, BM), N * H)
     softmax_fwd_kernel[grid](
         q, k, v, gc, o, lse, cu_seqlens,
-        Tq, Tk, H, K, V, qk_scale,
+        Tq, Tk, H, HK, K, V, qk_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32",
@@ -231,8 +236,9 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
 #      in log2 units, into O(T) buffers.
 #   2. softmax_bwd_dq_kernel: one program per (query block, sequence x head) streams the key
 #      tiles the mask lets it see (the forward's loop bounds) and accumulates dq.
-#   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x head) streams the query
-#      tiles that can see its keys and accumulates dk and dv.
+#   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x key head) streams the query
+#      tiles that can see its keys, for each query head that reads them (grouped-query attention:
+#      H // HK query heads per key head), and accumulates dk and dv.
 # Both recompute P = exp2(s - lse) from q, k and the forward's lse (no T x T buffer) and form
 # dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores.
 # Tile skipping mirrors the forward (causal): tiles no pair of which is allowed are never
@@ -291,8 +297,8 @@ def softmax_bwd_dq_tiles(
     # pointers
     k, v, g_hi, g_lo,
     # dims
-    k_bos, Tk_seq, i_h, lo, hi, qk_scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
+    H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
     IS_FP64: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -305,14 +311,16 @@ def softmax_bwd_dq_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        i_tok = (k_bos + o_n) * H + i_h
+        # rows of the keys and values (key head i_hk), and of G (query head i_h)
+        i_tok = (k_bos + o_n) * HK + i_hk
+        i_gk = (k_bos + o_n) * H + i_h
         # [BK, BN] keys and [BV, BN] values, loaded transposed
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
         b_vt = tl.load(v + i_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
-        b_ghk = tl.load(g_hi + i_tok, mask=m_n, other=0.0)
-        b_glk = tl.load(g_lo + i_tok, mask=m_n, other=0.0)
+        b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
+        b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
         b_s += (b_ghq[:, None] - b_ghk[None, :]) + (b_glq[:, None] - b_glk[None, :])
         if MASKED:
             m_s = m_n[None, :] & (o_n[None, :] <= o_pos[:, None])
@@ -335,7 +343,7 @@ def softmax_bwd_dq_kernel(
     # pointers
     q, k, v, g_hi, g_lo, do, lse2, delta, dq, dgq, cu_seqlens,
     # dims
-    Tq, Tk, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, ds_scale,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -343,6 +351,8 @@ def softmax_bwd_dq_kernel(
 ):
     i_m, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
+    # the key / value head of query head i_h (grouped-query attention)
+    i_hk = i_h // (H // HK)
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         Tq_seq = (tl.load(cu_seqlens + i_n + 1) - q_bos).to(tl.int32)
@@ -392,10 +402,10 @@ def softmax_bwd_dq_kernel(
     b_c = tl.zeros([BM], dtype=ACC)
     b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
         b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo,
-        k_bos, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BN, BK, BV, False, IS_FP64, DOT, DOT_PRECISION)
+        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, IS_FP64, DOT, DOT_PRECISION)
     b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
         b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo,
-        k_bos, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
+        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
 
     if IS_FP64:
         # P was exp2(s - lse2) with a float32 lse: renormalize the rows, and store the exact lse2
@@ -464,26 +474,26 @@ def softmax_bwd_dkdv_kernel(
     # pointers
     q, k, v, g_hi, g_lo, do, lse2, delta, dk, dv, dgk, cu_seqlens,
     # dims
-    Tq, Tk, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, ds_scale,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     i_j, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
+    # one program per key block of key / value head i_hk: its dk, dv sum over the H // HK
+    # query heads that read it (grouped-query attention), walked one after the other
+    i_n, i_hk = i_nh // HK, i_nh % HK
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         Tq_seq = (tl.load(cu_seqlens + i_n + 1) - q_bos).to(tl.int32)
         k_bos = q_bos
         Tk_seq = Tq_seq
-        o_lse = i_h.to(tl.int64) * Tq + q_bos
     else:
         q_bos = i_n.to(tl.int64) * Tq
         k_bos = i_n.to(tl.int64) * Tk
         Tq_seq = Tq
         Tk_seq = Tk
-        o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
     # the grid covers the longest sequence: blocks past this one's end have nothing to do
     if i_j * BN >= Tk_seq:
         return
@@ -494,13 +504,10 @@ def softmax_bwd_dkdv_kernel(
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_n, m_k, m_v = o_n < Tk_seq, o_k < K, o_v < V
-    i_k = (k_bos + o_n) * H + i_h
+    i_k = (k_bos + o_n) * HK + i_hk
     # [BN, BK], [BN, BV]
     b_k = tl.load(k + i_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(DOT)
     b_v = tl.load(v + i_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
-    # [BN] G at each key, as a float32 pair
-    b_ghk = tl.load(g_hi + i_k, mask=m_n, other=0.0)
-    b_glk = tl.load(g_lo + i_k, mask=m_n, other=0.0)
 
     # queries sit at key positions t + Tk - Tq: t_lo is the first query that may see the block's
     # first key, t_last the first that sees its last real key (both may be out of range)
@@ -512,21 +519,32 @@ def softmax_bwd_dkdv_kernel(
     i_full = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(t_last, 0), BM) * BM, lo), hi)
     i_edge = hi
 
-    # [BN, BK] dk, [BN, BV] dv, [BN] minus the column sums of dS (the decay bias)
+    # [BN, BK] dk, [BN, BV] dv
     b_dk = tl.zeros([BN, BK], dtype=ACC)
     b_dv = tl.zeros([BN, BV], dtype=ACC)
-    b_dgk = tl.zeros([BN], dtype=ACC)
-    b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-        b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, g_hi, g_lo, lse2, delta,
-        q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION)
-    b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-        b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, g_hi, g_lo, lse2, delta,
-        q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION)
+    for i_g in range(H // HK):
+        i_h = i_hk * (H // HK) + i_g
+        if IS_VARLEN:
+            o_lse = i_h.to(tl.int64) * Tq + q_bos
+        else:
+            o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+        # [BN] minus the column sums of dS of query head i_h (the decay bias)
+        b_dgk = tl.zeros([BN], dtype=ACC)
+        # [BN] G of query head i_h at each key, as a float32 pair
+        i_gk = (k_bos + o_n) * H + i_h
+        b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
+        b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
+        b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
+            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, g_hi, g_lo, lse2, delta,
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION)
+        b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
+            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, g_hi, g_lo, lse2, delta,
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION)
+        tl.store(dgk + i_gk, b_dgk, mask=m_n)
 
     b_dk = b_dk * ds_scale
     tl.store(dk + i_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
     tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
-    tl.store(dgk + i_k, b_dgk, mask=m_n)
 
 
 def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
@@ -548,11 +566,11 @@ def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
 
 
 def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
-    """Launch the backward. q [B, Tq, H, K], k [B, Tk, H, K], v [B, Tk, H, V], g [B, Tk, H] or
-    None, o and do [B, Tq, H, V] (all contiguous), lse the forward's float32 [B, H, Tq] ([H, total]
+    """Launch the backward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] (HK dividing H),
+    g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's float32 [B, H, Tq] ([H, total]
     packed) -> dq, dk, dv, dg (None without decay)."""
     B, Tq, H, K = q.shape
-    Tk, V = k.shape[1], v.shape[-1]
+    Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
         N, max_q, max_k = B, Tq, Tk
     else:
@@ -589,7 +607,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     dgq = q.new_empty((B, Tq, H), dtype=acc)
     softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM), N * H)](
         q_in, k, v, g_hi, g_lo, do, lse2, delta, dq, dgq, cu_seqlens,
-        Tq, Tk, H, K, V, qk_scale, ds_scale,
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,
@@ -600,9 +618,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     # [B, Tk, H] minus the column sums of dS: the bias's gradient at each key
     dgk = q.new_empty((B, Tk, H), dtype=acc)
-    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * H)](
+    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * HK)](
         q_in, k, v, g_hi, g_lo, do, lse2, delta, dk, dv, dgk, cu_seqlens,
-        Tq, Tk, H, K, V, qk_scale, ds_scale,
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,

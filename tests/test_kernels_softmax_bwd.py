@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
@@ -241,3 +243,21 @@ def test_torch_compile_fullgraph(monkeypatch):
     layer(*args).backward()
     assert len(calls) == 2
     assert torch.allclose(grad_c, layer.proj.weight.grad, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(["causal", "bidirectional", "window16", "forgetting"]),
+       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3]), Tq=st.integers(1, 40),
+       extra=st.integers(0, 30), varlen=st.booleans(), dname=st.sampled_from(list(DTYPES)))
+def test_grouped_query_heads(name, kv_heads, group, Tq, extra, varlen, dname, monkeypatch):
+    """Grouped-query attention: H = group x H_kv query heads over H_kv key / value heads (MQA at
+    H_kv = 1), forward and every gradient (dk, dv summed over each group) against the oracle,
+    which repeats each key / value head for its group; Tq <= Tk, or packed sequences."""
+    if varlen:
+        cut = max(1, Tq // 3)
+        shape = Shape(batch=1, q_len=Tq + extra, heads=kv_heads * group, kv_heads=kv_heads, head_dim=16,
+                      value_dim=8, cu_seqlens=(0, cut, Tq + extra) if cut < Tq + extra else (0, Tq + extra))
+    else:
+        shape = Shape(batch=2, q_len=Tq, k_len=Tq + extra, heads=kv_heads * group, kv_heads=kv_heads,
+                      head_dim=16, value_dim=8)
+    check(name, shape, DTYPES[dname], monkeypatch, seed=Tq + extra)

@@ -143,6 +143,31 @@ def test_softmax_more_queries_than_keys():
         op(**{**inputs, "k": inputs["k"][:, :5], "v": inputs["v"][:, :5]})
 
 
+@pytest.mark.parametrize("kv_heads", [4, 5])
+def test_softmax_kv_heads_must_divide_heads(kv_heads):
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=B, q_len=T, heads=6, head_dim=K, value_dim=V))
+    with raises_naming("k", "H_kv = %d" % kv_heads, "divide"):
+        op(**{**inputs, "k": inputs["k"][:, :, :kv_heads], "v": inputs["v"][:, :, :kv_heads]})
+
+
+def test_softmax_v_heads_follow_k():
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=B, q_len=T, heads=6, head_dim=K, value_dim=V))
+    with raises_naming("v", "H_kv"):
+        op(**{**inputs, "k": inputs["k"][:, :, :2], "v": inputs["v"][:, :, :3]})
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention", "softmax_bidirectional"])
+def test_grouped_query_heads_on_the_pytorch_form(name):
+    """Grouped-query attention (H = 6 over H_kv = 2, and MQA) on the PyTorch form: outputs and
+    gradients against the oracle."""
+    for kv_heads in (1, 2):
+        op, inputs = op_and_inputs(name, Shape(batch=B, q_len=9, k_len=13, heads=6, kv_heads=kv_heads, head_dim=K,
+                                               value_dim=V))
+        bad = [(n, e, t) for n, e, t in compare(op.spec, lambda **kw: op(**kw), inputs, torch.float32)
+               if not e <= t]
+        assert not bad, bad
+
+
 def test_softmax_packed_needs_equal_lengths():
     op, inputs = op_and_inputs("softmax_causal", Shape(batch=1, q_len=6, heads=H, head_dim=K, value_dim=V, k_len=9))
     with raises_naming("cu_seqlens", "Tq == Tk"):
