@@ -91,12 +91,17 @@ def softmax_fwd_kernel(
     q, k, v, o, lse, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    qk_scale,
+    qk_scale, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    # SPLIT (split-KV, few queries against many keys): program i_split folds only the keys of
+    # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
+    # lse (float32) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
+    # softmax_combine_kernel merges the partials by their lse
+    i_m, i_nh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     # the key / value head of query head i_h: H // HK query heads share one (grouped-query attention)
     i_hk = i_h // (H // HK)
@@ -132,9 +137,18 @@ def softmax_fwd_kernel(
     b_q = tl.load(q + i_q[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :], other=0.0).to(DOT)
 
     # key tiles: [0, i_edge) whole, [i_edge, Tk) the last, partial one
+    lo = 0
     i_full = 0
     i_edge = Tk_seq // BN * BN
     hi = Tk_seq
+    if SPLIT:
+        # the same ranges, cut to this program's keys (split_len is a multiple of BN)
+        s_lo = i_split * split_len
+        s_hi = s_lo + split_len
+        lo = tl.minimum(tl.maximum(lo, s_lo), s_hi)
+        i_full = tl.minimum(tl.maximum(i_full, s_lo), s_hi)
+        i_edge = tl.minimum(tl.maximum(i_edge, s_lo), s_hi)
+        hi = tl.minimum(tl.maximum(hi, s_lo), s_hi)
 
     # [BM] running max and sum of exp2(score - max); [BM, BV] running output
     b_m = tl.full([BM], float("-inf"), dtype=ACC)
@@ -147,14 +161,51 @@ def softmax_fwd_kernel(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
         H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
 
-    # every real query sees at least its own key; padding rows may have seen none
-    b_l = tl.where(m_m, b_l, 1.0)
+    # every real query sees at least its own key; padding rows may have seen none, and so may
+    # a real query in a split of keys it does not reach (lse -inf there: the merge weighs it 0)
+    m_seen = m_m & (b_l > 0)
+    b_l = tl.where(m_seen, b_l, 1.0)
     # [BM, BV]
     b_o = b_acc / b_l[:, None]
-    tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
     # [BM] natural-log lse = ln(2) * (max + log2(sum))
-    b_lse = (tl.where(m_m, b_m, 0.0) + tl.log2(b_l)) * 0.6931471805599453
-    tl.store(lse + o_lse + o_m, b_lse.to(tl.float32), mask=m_m)
+    b_lse = tl.where(m_seen, (b_m + tl.log2(b_l)) * 0.6931471805599453, float("-inf"))
+    if SPLIT:
+        o += i_split.to(tl.int64) * o_split_stride
+        lse += i_split.to(tl.int64) * lse_split_stride
+    tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
+    tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
+
+
+@triton.jit
+def softmax_combine_kernel(
+    # pointers
+    o_part, lse_part, o, lse,
+    # dims
+    Tq, S, H: tl.constexpr, V: tl.constexpr, o_split_stride, lse_split_stride,
+    # meta
+    BS: tl.constexpr, BV: tl.constexpr,
+):
+    """Merge the split-KV partials of one query row (token x head): o = sum_s w_s o_s with
+    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s)."""
+    i_row = tl.program_id(0)
+    i_tok, i_h = i_row // H, i_row % H
+    i_b, i_t = i_tok // Tq, i_tok % Tq
+    o_s = tl.arange(0, BS)
+    o_v = tl.arange(0, BV)
+    m_s, m_v = o_s < S, o_v < V
+    # [BS] the partial lse (natural log) of each split
+    o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
+    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf"))
+    b_max = tl.max(b_lse, 0)
+    b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
+    b_sum = tl.sum(b_w, 0)
+    # [BS, BV]
+    o_row = i_row.to(tl.int64) * V
+    b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
+                  mask=m_s[:, None] & m_v[None, :], other=0.0)
+    b_out = tl.sum(b_o * b_w[:, None], 0) / b_sum
+    tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
+    tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
 
 
 LOG2E = 1.4426950408889634
@@ -184,6 +235,24 @@ def softmax_fwd_config(BK, BV, size, max_len):
     return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2
 
 
+def softmax_kv_splits(programs, Tk, BN, sms):
+    """(splits, keys per split) of the forward's keys. Split-KV (flash-decoding) when the query
+    blocks give fewer programs than the GPU has multiprocessors (decode: a few queries against a
+    long cache): enough splits of at least two key tiles each for two programs per multiprocessor."""
+    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 2 * BN)) if programs < sms else 1
+    if splits <= 1:
+        return 1, Tk
+    split_len = triton.cdiv(triton.cdiv(Tk, splits), BN) * BN
+    return triton.cdiv(Tk, split_len), split_len
+
+
+def multiprocessors(device):
+    """Streaming multiprocessors of a CUDA device (32 for the interpreter: small tests split the keys)."""
+    if device.type != "cuda":
+        return 32
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
@@ -207,15 +276,25 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     BM, BN, warps, stages = softmax_fwd_config(BK, BV, q.element_size(), max_len)
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
-    grid = (triton.cdiv(max_len, BM), N * H)
-    softmax_fwd_kernel[grid](
-        q, k, v, o, lse, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale,
+    programs = triton.cdiv(max_len, BM) * N * H
+    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
+    # split-KV: the splits' partial outputs and lse, float32 (float64 for float64 inputs)
+    acc = torch.float64 if is_fp64 else torch.float32
+    o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
+    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=acc)
+    softmax_fwd_kernel[(triton.cdiv(max_len, BM), N * H, splits)](
+        q, k, v, o_run, lse_run, cu_seqlens,
+        Tq, Tk, H, HK, K, V, qk_scale, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
-        DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32",
+        DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        softmax_combine_kernel[(B * Tq * H,)](
+            o_run, lse_run, o, lse, Tq, splits, H, V, B * Tq * H * V, B * H * Tq,
+            BS=max(2, triton.next_power_of_2(splits)), BV=BV, num_warps=4,
+        )
     return o, lse
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:

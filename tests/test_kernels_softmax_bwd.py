@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
-from attngen.testing import LOWP_FLOOR, Shape, compare, outputs_and_grads, random_inputs
+from attngen.testing import LOWP_FLOOR, Shape, compare, outputs_and_grads, random_inputs, rel_error
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
@@ -261,3 +261,30 @@ def test_grouped_query_heads(name, kv_heads, group, Tq, extra, varlen, dname, mo
         shape = Shape(batch=2, q_len=Tq, k_len=Tq + extra, heads=kv_heads * group, kv_heads=kv_heads,
                       head_dim=16, value_dim=8)
     check(name, shape, DTYPES[dname], monkeypatch, seed=Tq + extra)
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+@pytest.mark.parametrize("Tq, Tk, kv_heads", [(1, 300, 2), (3, 531, 1), (16, 700, 2)])
+@pytest.mark.parametrize("name", ["causal", "bidirectional", "window16", "forgetting"])
+def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
+    """Decode (few queries against many keys): the forward splits the keys (flash-decoding) and
+    merges the partials by their lse; outputs, the lse the backward reads and every gradient
+    against the oracle, and the split forward against the same call unsplit."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    real, splits = module.softmax_kv_splits, []
+
+    def spied(*args):
+        got = real(*args)
+        splits.append(got[0])
+        return got
+
+    monkeypatch.setattr(module, "softmax_kv_splits", spied)
+    shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
+    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk)
+    assert splits and max(splits) > 1, f"the keys were not split: {splits}"
+    inputs = {n: (t.to(DTYPES[dname]) if n in "qkv" else t) for n, t in random_inputs(op.spec, shape, seed=Tk).items()}
+    split_o = op(**inputs)
+    monkeypatch.setattr(module, "softmax_kv_splits", lambda programs, Tk, BN, sms: (1, Tk))
+    whole_o = op(**inputs)
+    assert rel_error(split_o, whole_o) <= LOWP_FLOOR[DTYPES[dname]]
