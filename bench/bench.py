@@ -73,9 +73,11 @@ def rel(a, b):
 
 
 def make(B, T, H, D, dtype, grad, **extra):
+    """Random inputs; extras: g_scalar, g_vector, g_const, beta (True), kv_heads (H_kv), q_len (Tq)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
-    t = {"q": r(B, T, H, D), "k": r(B, T, H, D), "v": r(B, T, H, D)}
+    Hkv, Tq = extra.get("kv_heads", H), extra.get("q_len", T)
+    t = {"q": r(B, Tq, H, D), "k": r(B, T, Hkv, D), "v": r(B, T, Hkv, D)}
     t = {n: x.to(dtype) for n, x in t.items()}
     if "g_scalar" in extra:
         t["g"] = F.logsigmoid(r(B, T, H) + 3).float()
@@ -143,6 +145,16 @@ def cases(args):
     out["softmax_causal_sdpa"] = ("softmax_causal", (), "SDPA causal",
                                   lambda t: to_bhtd(F.scaled_dot_product_attention(
                                       to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), is_causal=True)))
+    # decode: one query against the whole cache (B from --B); grouped-query heads H = 32 over 8
+    out["decode_sdpa"] = ("softmax_causal", (("q_len", 1),), "SDPA decode (Tq 1)",
+                          lambda t: to_bhtd(F.scaled_dot_product_attention(
+                              to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]))))
+    out["decode_flex"] = ("softmax_causal", (("q_len", 1),), "FlexAttention decode (Tq 1)",
+                          lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]))))
+    gqa_mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T)
+    out["gqa_flex"] = ("softmax_causal", (("kv_heads", 8),), "FlexAttention causal enable_gqa (H 32, H_kv 8)",
+                       lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), block_mask=gqa_mask,
+                                              enable_gqa=True)))
     out["sliding_window"] = ("sliding_window", (), "FlexAttention window 1024",
                              lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), block_mask=window)))
     del B, H
@@ -169,7 +181,9 @@ def main():
     for name in wanted:
         spec, extras, base_name, base_fn = table[name]
         op = attngen.load(SPECS / f"{spec}.yaml" if isinstance(spec, str) else spec)
-        t = make(args.B, args.T, args.H, args.D, dtype, args.bwd, **{e: True for e in extras})
+        extra = dict(e if isinstance(e, tuple) else (e, True) for e in extras)
+        H = 32 if "kv_heads" in extra else args.H
+        t = make(args.B, args.T, H, args.D, dtype, args.bwd, **extra)
         ours = (lambda: op(**t)[0]) if op.spec.is_linear else (lambda: op(**t))
         try:
             t0 = time.time()
@@ -190,7 +204,8 @@ def main():
                 base = f"{base_ms:8.3f} {ms / base_ms:6.2f} {diff:9.2e}"
         except Exception as e:  # noqa: BLE001
             print(f"{name:<20s} {base_name:<40s} baseline failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
-        print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base} {floor_ms:6.3f}  first call {first:.1f}s", flush=True)
+        print(f"{name:<20s} {base_name:<40s} {ms:8.3f} {base} {floor_ms:6.3f}  first call {first:.1f}s, "
+              f"{nbytes / ms / 1e9:.2f} TB/s of q, k, v, o", flush=True)
         if args.profile:
             for kernel, us in profile(ours, args.bwd, list(t.values()))[:8]:
                 print(f"    {us:9.1f} us  {kernel[:90]}", flush=True)
