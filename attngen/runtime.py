@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from . import codegen, forms, planner, reference
-from .inputs import Call, check_linear, check_softmax
+from .inputs import Call, check_linear, check_softmax, packed_offsets
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -70,6 +70,7 @@ class Op:
                 raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of "
                                  "these (they are for attention: linear)")
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        cu_seqlens = packed_offsets(cu_seqlens)
         choice = self.choose(call, form, chunk_size)
         if _use_kernels(q):
             return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)

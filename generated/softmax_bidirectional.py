@@ -560,6 +560,7 @@ def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None):
     max_len the longest packed sequence (read from cu_seqlens when None)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
     return dq, dk, dv, dg if g is not None else None, None
 
@@ -572,6 +573,7 @@ def forward(q, k, v, g, cu_seqlens, scale, max_len):
     o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     return softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len)
 
 

@@ -1,0 +1,87 @@
+"""Memory safety and lifetimes: a strided cu_seqlens, generated modules imported once per
+process whatever the number of specs or threads, the cache directory's files, launch grids
+within CUDA's limits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attngen
+from attngen import codegen
+from attngen.testing import Shape, outputs_and_grads, random_inputs
+
+PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=4, value_dim=5, cu_seqlens=(0, 5, 6, 12))
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """Each test once on the generated kernels (Triton's interpreter) and once on the PyTorch forms."""
+    if request.param == "triton":
+        request.getfixturevalue("triton_backend")
+    else:
+        monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    return request.param
+
+
+# --------------------------------------------------------------------------- strided cu_seqlens
+
+def strided(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as every other element of a tensor twice as long whose gaps repeat the offsets
+    ([0, 0, 5, 5, ...]): read as if contiguous it is another packing, still within the tokens
+    (large values in the gaps would make the unfixed kernels write out of bounds)."""
+    view = cu_seqlens.repeat_interleave(2)[::2]
+    assert not view.is_contiguous() and torch.equal(view, cu_seqlens)
+    return view
+
+
+STRIDED = [("gated_deltanet", "recurrent"), ("gated_deltanet", "chunked"), ("gla", "chunked"),
+           ("linear_bidirectional", "parallel"), ("softmax_causal", None), ("forgetting_attention", None)]
+
+
+@pytest.mark.parametrize("name, form", STRIDED, ids=[f"{n}-{f}" for n, f in STRIDED])
+def test_strided_cu_seqlens_equals_its_contiguous_copy(backend, name, form):
+    """Outputs, final states and gradients of every input, bit for bit."""
+    op = attngen.load(f"specs/{name}.yaml")
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    inputs = random_inputs(op.spec, PACKED, dtype=dtype)
+    if not op.spec.is_linear:
+        inputs.pop("initial_state", None)
+    fn = (lambda **kw: op(**kw, form=form)) if form else op
+    want = outputs_and_grads(fn, op.spec, inputs, with_grads=True)
+    got = outputs_and_grads(fn, op.spec, {**inputs, "cu_seqlens": strided(inputs["cu_seqlens"])}, with_grads=True)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs with a strided cu_seqlens"
+
+
+# The kernel form and chunk the generated op runs for each form of STRIDED.
+KERNEL_FORMS = {"recurrent": ("recurrent", 1), "chunked": ("chunked", 16), "parallel": ("parallel", 1)}
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name, form", STRIDED, ids=[f"{n}-{f}" for n, f in STRIDED])
+def test_generated_entry_points_take_a_strided_cu_seqlens(name, form):
+    """The generated module called directly (its op and backward), not through attngen.load."""
+    spec = attngen.load_spec(f"specs/{name}.yaml")
+    module = codegen.load_module(spec)
+    inputs = random_inputs(spec, PACKED, dtype=torch.float32, initial_state=False)
+    q, k, v, g, beta = inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("beta")
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v)
+
+    def run(cu_seqlens):
+        if not spec.is_linear:
+            o, lse = module.op(q, k, v, g, cu_seqlens, 0.5, 6)
+            return (o, lse, *module.backward(q, k, v, g, cu_seqlens, 0.5, 6, o, lse, do, None)[:4])
+        args = (q, k, v, g, beta, None, None, cu_seqlens, 0.5, *KERNEL_FORMS[form])
+        o, ht = module.op(*args, True)
+        if form not in module.BACKWARD_FORMS:
+            return o, ht
+        grads = module.backward(*args, True, o, ht, do, torch.ones_like(ht))
+        return (o, ht, *(gr for gr in grads if gr is not None))
+
+    cu = inputs["cu_seqlens"]
+    want, got = run(cu), run(strided(cu))
+    assert len(want) == len(got)
+    for i, (a, b) in enumerate(zip(want, got)):
+        if a is not None:
+            assert torch.equal(a, b), f"result {i} differs with a strided cu_seqlens"
