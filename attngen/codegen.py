@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -59,19 +60,39 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ATTNGEN_CACHE", Path.home() / ".cache" / "attngen"))
 
 
-@lru_cache(maxsize=128)
+# Generated modules by import name (spec name and hash), imported once per process and never
+# dropped: importing one registers its ops with torch.library under that name, and importing it
+# again would register them over the live ones that earlier ops still call (a crash inside the
+# dispatcher). The lock makes one thread import a module while the others wait for it.
+_MODULES: dict[str, ModuleType] = {}
+_MODULES_LOCK = threading.Lock()
+
+
 def load_module(spec: Spec) -> ModuleType:
-    """Import a spec's generated module: the committed generated/<name>.py when it is this
-    exact rendering, else a fresh rendering in the cache directory (Triton needs a file)."""
+    """A spec's generated module, imported on first use: the committed generated/<name>.py when
+    it is this exact rendering, else a fresh rendering in the cache directory (Triton needs a file)."""
+    name = f"attngen_generated_{spec.name}_{spec.hash}"
+    with _MODULES_LOCK:
+        if name not in _MODULES:
+            _MODULES[name] = _import(name, _module_path(spec))
+        return _MODULES[name]
+
+
+def _module_path(spec: Spec) -> Path:
     source = render(spec)
     committed = REPO_GENERATED / f"{spec.name}.py"
     if committed.exists() and committed.read_text() == source:
-        path = committed
-    else:
-        path = compile_to(spec, cache_dir() / spec.hash)
-    name = f"attngen_generated_{spec.name}_{spec.hash}"
+        return committed
+    return compile_to(spec, cache_dir() / spec.hash)
+
+
+def _import(name: str, path: Path) -> ModuleType:
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module

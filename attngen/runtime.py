@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -137,12 +138,18 @@ def _use_kernels(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+# Held while a module's autograd is attached, so that threads creating ops of one spec at once
+# attach it once.
+_AUTOGRAD_LOCK = threading.Lock()
+
+
 def kernels_for(op: Op):
-    """The op's generated module, with autograd attached once."""
+    """The op's generated module, with autograd attached once (ops of equal specs share it)."""
     module = codegen.load_module(op.spec)
-    if not getattr(module, "_attngen_autograd", False):
-        _attach_autograd(op, module)
-        module._attngen_autograd = True
+    with _AUTOGRAD_LOCK:
+        if not getattr(module, "_attngen_autograd", False):
+            _attach_autograd(op, module)
+            module._attngen_autograd = True
     return module
 
 

@@ -3,6 +3,12 @@ process whatever the number of specs or threads, the cache directory's files, la
 within CUDA's limits."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,3 +91,60 @@ def test_generated_entry_points_take_a_strided_cu_seqlens(name, form):
     for i, (a, b) in enumerate(zip(want, got)):
         if a is not None:
             assert torch.equal(a, b), f"result {i} differs with a strided cu_seqlens"
+
+
+# --------------------------------------------------------------------------- module lifetimes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Past 128 distinct specs the loader once dropped the oldest module and imported it again on the
+# next load, registering its op over the live one: the first op then crashed (SIGSEGV).
+MANY_SPECS = '''
+import sys, torch, attngen
+spec = lambda i: {"name": f"e{i}", "attention": "linear", "feature_map": {"expr": f"x*x + {i}"}, "decay": "scalar"}
+first = attngen.load(spec(0))
+for i in range(1, int(sys.argv[1])):
+    attngen.load(spec(i))
+again = attngen.load(spec(0))
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 3, 2, 4, generator=gen) for _ in range(3))
+g = -torch.rand(1, 3, 2, generator=gen)
+o, _ = first(q, k, v, g)
+assert torch.equal(again(q, k, v, g)[0], o)
+print("ok")
+'''
+
+
+def test_op_survives_many_specs_and_a_reload(backend, tmp_path):
+    env = {**os.environ, "ATTNGEN_CACHE": str(tmp_path), "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", MANY_SPECS, "131"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", \
+        f"exit status {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_threads_loading_one_new_spec():
+    """Four threads load one spec no thread has loaded yet, at once."""
+    spec = {"name": "threads", "attention": "linear", "feature_map": {"expr": "x*x + 3"}, "decay": "scalar"}
+    barrier, errors, ops = threading.Barrier(4), [], []
+
+    def load():
+        barrier.wait()
+        try:
+            ops.append(attngen.load(spec))
+        except Exception as exc:  # noqa: BLE001 - every thread's failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len({id(op._kernels) for op in ops}) == 1
+    inputs = random_inputs(ops[0].spec, Shape(1, 3, 2, 4, 4), dtype=torch.float32)
+    want = ops[0](**inputs)[0]
+    for op in ops[1:]:
+        assert torch.equal(op(**inputs)[0], want)
