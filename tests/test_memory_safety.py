@@ -3,10 +3,14 @@ process whatever the number of specs or threads, the cache directory's files, la
 within CUDA's limits."""
 from __future__ import annotations
 
+import builtins
+import errno
+import io
 import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -148,3 +152,91 @@ def test_threads_loading_one_new_spec():
     want = ops[0](**inputs)[0]
     for op in ops[1:]:
         assert torch.equal(op(**inputs)[0], want)
+
+
+# --------------------------------------------------------------------------- the cache directory
+
+def new_spec(name: str):
+    """A spec no other test loads (its module is imported once per process)."""
+    return attngen.load_spec({"name": name, "attention": "linear", "feature_map": {"expr": "x*x + 5"},
+                              "decay": "scalar"})
+
+
+def test_cache_file_that_is_not_utf8_is_rewritten(tmp_path, monkeypatch):
+    """A cache file and a committed module that are not UTF-8 (a disk error, a stray write)."""
+    spec = new_spec("not_utf8")
+    garbage = b"\xff\xfe\xfa not a module \x80\n"
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(codegen, "REPO_GENERATED", tmp_path / "generated")
+    for path in (tmp_path / "cache" / spec.hash / "not_utf8.py", tmp_path / "generated" / "not_utf8.py"):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(garbage)
+    module = codegen.load_module(spec)
+    assert module.SPEC_HASH == spec.hash
+    assert (tmp_path / "cache" / spec.hash / "not_utf8.py").read_bytes() == codegen.render(spec).encode()
+
+
+def unwritable_under_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "file").write_text("")
+    return tmp_path / "file" / "cache"
+
+
+def unwritable_read_only(tmp_path: Path) -> Path:
+    directory = tmp_path / "read_only"
+    directory.mkdir(mode=0o555)
+    if os.access(directory, os.W_OK):
+        pytest.skip("this user writes to read-only directories (root)")
+    return directory
+
+
+@pytest.mark.parametrize("make", [unwritable_under_a_file, unwritable_read_only], ids=["under_a_file", "read_only"])
+def test_unwritable_cache_falls_back_with_one_warning(tmp_path, monkeypatch, make):
+    directory = make(tmp_path)
+    monkeypatch.setenv("ATTNGEN_CACHE", str(directory))
+    with pytest.warns(UserWarning) as record:
+        module = codegen.load_module(new_spec(f"unwritable_{make.__name__}"))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1 and str(directory) in messages[0] and "ATTNGEN_CACHE" in messages[0], messages
+    assert module.SPEC_HASH == new_spec(f"unwritable_{make.__name__}").hash
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codegen.load_module(new_spec(f"unwritable_{make.__name__}_again"))
+
+
+def test_cache_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A write that fails part way (a full disk) leaves the file as it was and no other file."""
+    spec = new_spec("written_whole")
+    path = tmp_path / f"{spec.name}.py"
+    path.write_bytes(b"# an older rendering\n")
+    real_open = io.open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        writes = isinstance(file, (str, os.PathLike)) and Path(file).parent == tmp_path and set(mode) & set("wxa+")
+        return FullDisk(f) if writes else f
+
+    monkeypatch.setattr(io, "open", full_disk_open)
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    with pytest.raises(OSError, match="No space left"):
+        codegen.compile_to(spec, tmp_path)
+    monkeypatch.undo()
+    assert path.read_bytes() == b"# an older rendering\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    codegen.compile_to(spec, tmp_path)
+    assert path.read_bytes() == codegen.render(spec).encode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
