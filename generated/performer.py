@@ -7,7 +7,8 @@ forms: recurrent, parallel, chunked
 Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F feature dim
 (state rows), N sequences; layout [B, T, H, *] contiguous, state [N, H, F, Vs] float32.
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
-arithmetic is int64.
+arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
+1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
 import os
 from typing import Optional
@@ -85,7 +86,7 @@ def recurrent_fwd_kernel(
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -147,7 +148,7 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     BV = min(triton.next_power_of_2(V), 32)
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (N * H, triton.cdiv(V, BV))
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
@@ -192,7 +193,7 @@ def recurrent_bwd_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
 ):
     # The forward walks: FIRST is pass 1 (see above).
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -261,7 +262,7 @@ def recurrent_bwd_rev_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
     # Pass 2: the tokens from last to first with G [BF, BV] in registers.
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -400,7 +401,7 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
                 HAS_DHT=dht is not None)
-    grid = (NV, N * H)
+    grid = (N * H, NV)
     recurrent_bwd_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
         *dims, **meta, FIRST=True)
@@ -494,7 +495,7 @@ def chunked_states_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -744,7 +745,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     # the tiles one chunk loads: k transposed, v
     stage_bytes = chunk * (1 * BK + BV) * q.element_size()
-    chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
+    chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
@@ -808,7 +809,7 @@ def chunked_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -1028,7 +1029,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     dkr_part = dbeta = None
-    chunked_bwd_kernel[(NV, N * H)](
+    chunked_bwd_kernel[(N * H, NV)](
         q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
         cu_seqlens, chunk_offsets,
         T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,

@@ -7,7 +7,8 @@ forms: parallel
 Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F feature dim
 (state rows), N sequences; layout [B, T, H, *] contiguous, state [N, H, F, Vs] float32.
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
-arithmetic is int64.
+arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
+1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
 import os
 from typing import Optional
@@ -93,7 +94,7 @@ def softmax_fwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    i_m, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -191,7 +192,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
-    grid = (triton.cdiv(max_len, BM), N * H)
+    grid = (N * H, triton.cdiv(max_len, BM))
     softmax_fwd_kernel[grid](
         q, k, v, o, lse, cu_seqlens,
         Tq, Tk, H, K, V, qk_scale,
@@ -234,7 +235,7 @@ def softmax_bwd_preprocess_kernel(
     BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr,
 ):
     """delta = rowsum(o * do) and lse2 = lse * log2(e), both [B, H, Tq] ([H, T] packed: B = 1)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_t, i_bh = tl.program_id(1), tl.program_id(0)
     i_b, i_h = i_bh // H, i_bh % H
     ACC = tl.float64 if IS_FP64 else tl.float32
     o_t = i_t * BT + tl.arange(0, BT)
@@ -303,7 +304,7 @@ def softmax_bwd_dq_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    i_m, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -416,7 +417,7 @@ def softmax_bwd_dkdv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_j, i_nh = tl.program_id(0), tl.program_id(1)
+    i_j, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         q_bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -499,13 +500,13 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     delta = q.new_empty(lse.shape, dtype=acc)
     lse2 = q.new_empty(lse.shape, dtype=acc)
     BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
-    softmax_bwd_preprocess_kernel[(triton.cdiv(Tq, BT), B * H)](
+    softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
         o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN, warps = _bwd_blocks(max_q, BK, BV, size, acc_size)
     dq = q.new_empty(q.shape)
-    softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM), N * H)](
+    softmax_bwd_dq_kernel[(N * H, triton.cdiv(max_q, BM))](
         q_in, k, v, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,
@@ -516,7 +517,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
     BN, BM, warps = _bwd_blocks(max_k, BK, BV, size, acc_size)
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
-    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * H)](
+    softmax_bwd_dkdv_kernel[(N * H, triton.cdiv(max_k, BN))](
         q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
         Tq, Tk, H, K, V, qk_scale, ds_scale,
         BM=BM, BN=BN, BK=BK, BV=BV,

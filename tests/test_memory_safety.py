@@ -240,3 +240,39 @@ def test_cache_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     codegen.compile_to(spec, tmp_path)
     assert path.read_bytes() == codegen.render(spec).encode()
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+# --------------------------------------------------------------------------- launch grids
+
+# CUDA caps grid dimensions 1 and 2 at 65,535 blocks and dimension 0 at 2**31 - 1, so the launches
+# put the sequences x heads product (2048 x 32 in a decode step, say) on dimension 0. The test
+# caps the interpreter's dimensions 1 and 2 below N x H = 4 and above what else a small call
+# launches (H = 2 heads, one value block, one query block).
+GRID_CAP = 3
+GRID_SHAPE = Shape(batch=2, q_len=4, heads=2, head_dim=4, value_dim=4)
+SPEC_PATHS = sorted((ROOT / "specs").glob("*.yaml"))
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("path", SPEC_PATHS, ids=[p.stem for p in SPEC_PATHS])
+def test_launch_grids_put_sequences_times_heads_on_dimension_0(path, monkeypatch):
+    from triton.runtime import interpreter
+
+    builder, launches = interpreter.interpreter_builder, []
+    real_set_grid_dim = builder.set_grid_dim
+
+    def set_grid_dim(nx, ny, nz):
+        launches.append((nx, ny, nz))
+        if max(ny, nz) > GRID_CAP:
+            raise ValueError(f"grid ({nx}, {ny}, {nz}): dimensions 1 and 2 over the cap {GRID_CAP}")
+        real_set_grid_dim(nx, ny, nz)
+
+    monkeypatch.setattr(builder, "set_grid_dim", set_grid_dim)
+    op = attngen.load(path)
+    inputs = random_inputs(op.spec, GRID_SHAPE, dtype=torch.float32, initial_state=False)
+    forms = [f.name for f in op.plan.forms if f.name != "parallel" or op.spec.mask == "bidirectional"]
+    for form in forms if op.spec.is_linear else [None]:
+        chunk = 16 if form == "chunked" else None
+        fn = (lambda **kw: op(**kw, form=form, chunk_size=chunk)) if form else op  # noqa: B023
+        outputs_and_grads(fn, op.spec, inputs, with_grads=True)
+    assert launches and max(nx for nx, _, _ in launches) >= GRID_SHAPE.batch * GRID_SHAPE.heads
