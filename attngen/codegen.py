@@ -6,9 +6,14 @@ the planner builds; per-call choices (varlen, initial state, ...) are tl.constex
 """
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
+import threading
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -47,31 +52,89 @@ def _tidy(source: str) -> str:
 
 
 def compile_to(spec: Spec, out_dir: Path) -> Path:
+    """Write out_dir/<name>.py unless it already holds this rendering; whatever else it holds
+    (an older rendering, bytes that are not UTF-8) is replaced."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{spec.name}.py"
-    source = render(spec)
-    if not path.exists() or path.read_text() != source:
-        path.write_text(source)
+    source = render(spec).encode()
+    if not path.exists() or path.read_bytes() != source:
+        _write_atomic(path, source)
     return path
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the same directory, then os.replace: another process
+    importing the module meanwhile reads the old file or the new one, never part of one, and a
+    write that fails (a full disk) leaves the old file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("ATTNGEN_CACHE", Path.home() / ".cache" / "attngen"))
 
 
-@lru_cache(maxsize=128)
+# Where modules go when the cache directory cannot be written (a read-only home): one temporary
+# directory per process, removed at exit; each unwritable directory is warned about once.
+_fallback_dir: Path | None = None
+_unwritable: set[Path] = set()
+
+
+def _fallback_cache(directory: Path, error: OSError) -> Path:
+    global _fallback_dir
+    if _fallback_dir is None:
+        _fallback_dir = Path(tempfile.mkdtemp(prefix="attngen-"))
+        atexit.register(shutil.rmtree, _fallback_dir, ignore_errors=True)
+    if directory not in _unwritable:
+        _unwritable.add(directory)
+        warnings.warn(f"attngen: cannot write generated modules to the cache directory {directory} ({error}); "
+                      f"this process renders them into {_fallback_dir} instead, and the next renders them "
+                      "again. Set ATTNGEN_CACHE to a writable directory to keep them.")
+    return _fallback_dir
+
+
+# Generated modules by import name (spec name and hash), imported once per process and never
+# dropped: importing one registers its ops with torch.library under that name, and importing it
+# again would register them over the live ones that earlier ops still call (a crash inside the
+# dispatcher). The lock makes one thread import a module while the others wait for it.
+_MODULES: dict[str, ModuleType] = {}
+_MODULES_LOCK = threading.Lock()
+
+
 def load_module(spec: Spec) -> ModuleType:
-    """Import a spec's generated module: the committed generated/<name>.py when it is this
-    exact rendering, else a fresh rendering in the cache directory (Triton needs a file)."""
-    source = render(spec)
-    committed = REPO_GENERATED / f"{spec.name}.py"
-    if committed.exists() and committed.read_text() == source:
-        path = committed
-    else:
-        path = compile_to(spec, cache_dir() / spec.hash)
+    """A spec's generated module, imported on first use: the committed generated/<name>.py when
+    it is this exact rendering, else a fresh rendering in the cache directory (Triton needs a file)."""
     name = f"attngen_generated_{spec.name}_{spec.hash}"
+    with _MODULES_LOCK:
+        if name not in _MODULES:
+            _MODULES[name] = _import(name, _module_path(spec))
+        return _MODULES[name]
+
+
+def _module_path(spec: Spec) -> Path:
+    committed = REPO_GENERATED / f"{spec.name}.py"
+    if committed.exists() and committed.read_bytes() == render(spec).encode():
+        return committed
+    directory = cache_dir()
+    try:
+        return compile_to(spec, directory / spec.hash)
+    except OSError as error:
+        return compile_to(spec, _fallback_cache(directory, error) / spec.hash)
+
+
+def _import(name: str, path: Path) -> ModuleType:
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module

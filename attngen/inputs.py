@@ -13,6 +13,7 @@ import torch
 from .spec import Spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_OFFSETS = (torch.int32, torch.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +72,10 @@ def _sequences(cu_seqlens, q: torch.Tensor, batch: int, total: int) -> tuple[int
     """(N, longest sequence) of a call: the batch rows, or the checked packed sequences."""
     if cu_seqlens is None:
         return batch, total
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-        got = _shape(cu_seqlens) if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__
-        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1], got {got}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _OFFSETS:
+        got = f"{_shape(cu_seqlens)} {cu_seqlens.dtype}" if isinstance(cu_seqlens, torch.Tensor) \
+            else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens: expected a 1-D integer tensor [N + 1] of int32 or int64, got {got}")
     if q.shape[0] != 1:
         raise ValueError(f"cu_seqlens: packed sequences need batch size 1, got q of shape {_shape(q)}")
     if cu_seqlens.numel() < 2:
@@ -86,6 +88,13 @@ def _sequences(cu_seqlens, q: torch.Tensor, batch: int, total: int) -> tuple[int
     if any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens: expected strictly increasing offsets, got {cu}")
     return len(cu) - 1, max(b - a for a, b in zip(cu, cu[1:]))
+
+
+def packed_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
+    """A checked cu_seqlens as every form and kernel gets it: contiguous. The kernels read
+    offset n at address cu_seqlens + n, so a strided view (a slice with a step) would hand them
+    the values in its gaps: sequences that are not the caller's, and out-of-bounds writes."""
+    return cu_seqlens.contiguous() if cu_seqlens is not None else None
 
 
 def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None) -> Call:

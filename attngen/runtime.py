@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -9,7 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from . import codegen, forms, planner, reference
-from .inputs import Call, check_linear, check_softmax
+from .inputs import Call, check_linear, check_softmax, packed_offsets
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -70,6 +71,7 @@ class Op:
                 raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of "
                                  "these (they are for attention: linear)")
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        cu_seqlens = packed_offsets(cu_seqlens)
         choice = self.choose(call, form, chunk_size)
         if _use_kernels(q):
             return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
@@ -136,12 +138,18 @@ def _use_kernels(q: torch.Tensor) -> bool:
     return q.device.type == "cuda"
 
 
+# Held while a module's autograd is attached, so that threads creating ops of one spec at once
+# attach it once.
+_AUTOGRAD_LOCK = threading.Lock()
+
+
 def kernels_for(op: Op):
-    """The op's generated module, with autograd attached once."""
+    """The op's generated module, with autograd attached once (ops of equal specs share it)."""
     module = codegen.load_module(op.spec)
-    if not getattr(module, "_attngen_autograd", False):
-        _attach_autograd(op, module)
-        module._attngen_autograd = True
+    with _AUTOGRAD_LOCK:
+        if not getattr(module, "_attngen_autograd", False):
+            _attach_autograd(op, module)
+            module._attngen_autograd = True
     return module
 
 

@@ -7,7 +7,8 @@ forms: parallel
 Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F feature dim
 (state rows), N sequences; layout [B, T, H, *] contiguous, state [N, H, F, Vs] float32.
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
-arithmetic is int64.
+arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
+1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
 import os
 from typing import Optional
@@ -55,7 +56,7 @@ def recurrent_fwd_kernel(
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -107,7 +108,7 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     BV = min(triton.next_power_of_2(V), 32)
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (N * H, triton.cdiv(V, BV))
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
@@ -148,7 +149,7 @@ def recurrent_bwd_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
 ):
     # The forward walks: FIRST is pass 1 (see above).
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -200,7 +201,7 @@ def recurrent_bwd_rev_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
     # Pass 2: the tokens from last to first with G [BF, BV] in registers.
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -308,7 +309,7 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
                 HAS_DHT=dht is not None)
-    grid = (NV, N * H)
+    grid = (N * H, NV)
     recurrent_bwd_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
         *dims, **meta, FIRST=True)
@@ -334,7 +335,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     omega, cu_seqlens and the inputs that were None. dht is None when no loss reached the
     final state."""
     contiguous = lambda t: t.contiguous() if t is not None else None
-    q, k, v, g, beta, initial_state, do, dht = map(contiguous, (q, k, v, g, beta, initial_state, do, dht))
+    q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
+        contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- bidirectional form
@@ -357,7 +359,7 @@ def bidirectional_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F64: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -422,7 +424,7 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     BT = min(64 if BF <= 64 else 32, max(16, 4096 // BK))
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (N * H, triton.cdiv(V, BV))
     bidirectional_fwd_kernel[grid](
         q, k, v, omega, initial_state, o, ht, cu_seqlens,
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
@@ -441,6 +443,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chu
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
         return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
     return bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state)

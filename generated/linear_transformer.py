@@ -7,7 +7,8 @@ forms: recurrent, parallel, chunked
 Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F feature dim
 (state rows), N sequences; layout [B, T, H, *] contiguous, state [N, H, F, Vs] float32.
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
-arithmetic is int64.
+arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
+1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
 import os
 from typing import Optional
@@ -55,7 +56,7 @@ def recurrent_fwd_kernel(
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -114,7 +115,7 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
     BV = min(triton.next_power_of_2(V), 32)
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (triton.cdiv(V, BV), N * H)
+    grid = (N * H, triton.cdiv(V, BV))
     recurrent_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
@@ -159,7 +160,7 @@ def recurrent_bwd_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, FIRST: tl.constexpr,
 ):
     # The forward walks: FIRST is pass 1 (see above).
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -224,7 +225,7 @@ def recurrent_bwd_rev_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
 ):
     # Pass 2: the tokens from last to first with G [BF, BV] in registers.
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -349,7 +350,7 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     dims = (T, BTH, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5)
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None,
                 HAS_DHT=dht is not None)
-    grid = (NV, N * H)
+    grid = (N * H, NV)
     recurrent_bwd_fwd_kernel[grid](
         q, k, v, g, beta, omega, initial_state, do, dht, cu_seqlens, r, w, rd, ddp, dqf, dkf, dgc, dgb,
         *dims, **meta, FIRST=True)
@@ -375,7 +376,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     omega, cu_seqlens and the inputs that were None. dht is None when no loss reached the
     final state."""
     contiguous = lambda t: t.contiguous() if t is not None else None
-    q, k, v, g, beta, initial_state, do, dht = map(contiguous, (q, k, v, g, beta, initial_state, do, dht))
+    q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
+        contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
@@ -442,7 +444,7 @@ def chunked_states_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -678,7 +680,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     # the tiles one chunk loads: k transposed, v
     stage_bytes = chunk * (1 * BK + BV) * q.element_size()
-    chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
+    chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
         k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
@@ -742,7 +744,7 @@ def chunked_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -911,6 +913,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
@@ -941,7 +944,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     dkr_part = dbeta = None
-    chunked_bwd_kernel[(NV, N * H)](
+    chunked_bwd_kernel[(N * H, NV)](
         q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
         cu_seqlens, chunk_offsets,
         T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
@@ -964,6 +967,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chu
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
         return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state)

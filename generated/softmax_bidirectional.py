@@ -7,7 +7,8 @@ forms: parallel
 Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F feature dim
 (state rows), N sequences; layout [B, T, H, *] contiguous, state [N, H, F, Vs] float32.
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
-arithmetic is int64.
+arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
+1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
 import os
 from typing import Optional
@@ -91,17 +92,23 @@ def softmax_fwd_kernel(
     q, k, v, o, lse, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    qk_scale, split_len, o_split_stride, lse_split_stride,
+    qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    # SPLIT (split-KV, few queries against many keys): program i_split folds only the keys of
+    # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
     # lse (float32) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
     # softmax_combine_kernel merges the partials by their lse
-    i_m, i_nh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
+    # launch order, so they run side by side and share its keys and values in L2; the last block
+    # first (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
+    # N x H (axes 1 and 2 stop at 65,535).
+    i_pid, i_split = tl.program_id(0), tl.program_id(1)
+    i_nh = i_pid // n_blocks
+    i_m = n_blocks - 1 - i_pid % n_blocks
     i_n, i_h = i_nh // H, i_nh % H
     # the key / value head of query head i_h: H // HK query heads share one (grouped-query attention)
     i_hk = i_h // (H // HK)
@@ -282,9 +289,10 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=acc)
-    softmax_fwd_kernel[(triton.cdiv(max_len, BM), N * H, splits)](
+    n_blocks = triton.cdiv(max_len, BM)
+    softmax_fwd_kernel[(n_blocks * N * H, splits)](
         q, k, v, o_run, lse_run, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, split_len, B * Tq * H * V, B * H * Tq,
+        Tq, Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
@@ -330,7 +338,7 @@ def softmax_bwd_preprocess_kernel(
     BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr,
 ):
     """delta = rowsum(o * do) and lse2 = lse * log2(e), both [B, H, Tq] ([H, T] packed: B = 1)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     ACC = tl.float64 if IS_FP64 else tl.float32
     o_t = i_t * BT + tl.arange(0, BT)
@@ -396,12 +404,16 @@ def softmax_bwd_dq_kernel(
     q, k, v, do, lse2, delta, dq, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    qk_scale, ds_scale,
+    qk_scale, ds_scale, n_blocks,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_m, i_nh = tl.program_id(0), tl.program_id(1)
+    # program -> (sequence x head, query block), a head's blocks neighbours in launch order (they
+    # share its keys and values in L2), the last first (the most keys under a causal mask)
+    i_pid = tl.program_id(0)
+    i_nh = i_pid // n_blocks
+    i_m = n_blocks - 1 - i_pid % n_blocks
     i_n, i_h = i_nh // H, i_nh % H
     # the key / value head of query head i_h (grouped-query attention)
     i_hk = i_h // (H // HK)
@@ -511,12 +523,16 @@ def softmax_bwd_dkdv_kernel(
     q, k, v, do, lse2, delta, dk, dv, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    qk_scale, ds_scale,
+    qk_scale, ds_scale, n_blocks,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_j, i_nh = tl.program_id(0), tl.program_id(1)
+    # program -> (sequence x key head, key block), a head's blocks neighbours in launch order (they
+    # share its queries in L2), the first first (the most queries under a causal mask)
+    i_pid = tl.program_id(0)
+    i_nh = i_pid // n_blocks
+    i_j = i_pid % n_blocks
     # one program per key block of key / value head i_hk: its dk, dv sum over the H // HK
     # query heads that read it (grouped-query attention), walked one after the other
     i_n, i_hk = i_nh // HK, i_nh % HK
@@ -614,15 +630,15 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     delta = q.new_empty(lse.shape, dtype=acc)
     lse2 = q.new_empty(lse.shape, dtype=acc)
     BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
-    softmax_bwd_preprocess_kernel[(triton.cdiv(Tq, BT), B * H)](
+    softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
         o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN, warps, stages = softmax_bwd_config("dq", max_q, BK, BV, size, acc_size)
     dq = q.new_empty(q.shape)
-    softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM), N * H)](
+    softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM) * N * H,)](
         q_in, k, v, do, lse2, delta, dq, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, ds_scale,
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_q, BM),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,
@@ -631,9 +647,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
     BN, BM, warps, stages = softmax_bwd_config("dkdv", max_k, BK, BV, size, acc_size)
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
-    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN), N * HK)](
+    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN) * N * HK,)](
         q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, ds_scale,
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_k, BN),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,
@@ -675,6 +691,7 @@ def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None):
     max_len the longest packed sequence (read from cu_seqlens when None)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
     return dq, dk, dv, dg if g is not None else None, None
 
@@ -687,6 +704,7 @@ def forward(q, k, v, g, cu_seqlens, scale, max_len):
     o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     return softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len)
 
 

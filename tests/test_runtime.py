@@ -105,6 +105,8 @@ BAD_CU = [
     ("past_T", lambda a: torch.tensor([0, 5, 13]), "cu_seqlens", "T = 12"),
     ("not_from_zero", lambda a: torch.tensor([1, 5, 12]), "cu_seqlens", "start at 0"),
     ("float", lambda a: torch.tensor([0.0, 5.0, 12.0]), "cu_seqlens", "integer"),
+    ("int16", lambda a: torch.tensor([0, 5, 12], dtype=torch.int16), "cu_seqlens", "int32 or int64"),
+    ("bool", lambda a: torch.tensor([False, True]), "cu_seqlens", "int32 or int64"),
     ("two_dims", lambda a: torch.tensor([[0, 5, 12]]), "cu_seqlens", "1-D"),
     ("one_entry", lambda a: torch.tensor([0]), "cu_seqlens", "2 entries"),
 ]
