@@ -37,6 +37,8 @@ def main():
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--bwd", action="store_true")
     p.add_argument("--budget", type=float, default=240.0, help="seconds before the search stops")
+    p.add_argument("--configs", default="", help="candidates to time instead of the whole space, e.g. "
+                   "'64,64,4,3,1;64,64,4,3,0' (forward: BM, BN, warps, stages, last_first)")
     args = p.parse_args()
     op = attngen.load(SPECS / f"{args.spec}.yaml")
     module = kernels_for(op)
@@ -67,7 +69,10 @@ def main():
         space = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3)))
     else:
         kinds = ("fwd",)
-        space = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)))
+        space = list(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (True, False)))
+    if args.configs:
+        space = [tuple(int(x) for x in c.split(",")) for c in args.configs.split(";")]
+        space = [c[:4] + (bool(c[4]),) if len(c) == 5 else c for c in space]
     start = time.time()
     best = {}
     for kind in kinds:

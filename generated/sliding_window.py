@@ -96,7 +96,7 @@ def softmax_fwd_kernel(
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr,
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
@@ -104,11 +104,11 @@ def softmax_fwd_kernel(
     # softmax_combine_kernel merges the partials by their lse
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
-    # first (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
+    # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
     # N x H (axes 1 and 2 stop at 65,535).
     i_pid, i_split = tl.program_id(0), tl.program_id(1)
     i_nh = i_pid // n_blocks
-    i_m = n_blocks - 1 - i_pid % n_blocks
+    i_m = n_blocks - 1 - i_pid % n_blocks if LAST_FIRST else i_pid % n_blocks
     i_n, i_h = i_nh // H, i_nh % H
     # the key / value head of query head i_h: H // HK query heads share one (grouped-query attention)
     i_hk = i_h // (H // HK)
@@ -236,8 +236,8 @@ def packed_max_len(cu_seqlens, max_len):
 
 
 def softmax_fwd_config(BK, BV, size, max_len):
-    """(BM, BN, num_warps, num_stages) of the forward: query rows per program, keys per tile, warps
-    and software-pipeline stages. The query tile within 32 KiB and a stage of key + value tiles
+    """(BM, BN, num_warps, num_stages, last_first) of the forward: query rows per program, keys per
+    tile, warps, software-pipeline stages, and whether a head's last query block launches first. The query tile within 32 KiB and a stage of key + value tiles
     within 64 KiB of shared memory; rows capped by the longest sequence. 16-bit inputs up to 128
     lanes: 64 x 64 tiles, four warps, three stages, the fastest of 36 configurations on the H200
     (softmax_causal B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms at eight warps and two stages;
@@ -245,8 +245,8 @@ def softmax_fwd_config(BK, BV, size, max_len):
     BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
     BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
     if size == 2 and max(BK, BV) <= 128:
-        return BM, BN, 4, 3
-    return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2
+        return BM, BN, 4, 3, True
+    return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2, True
 
 
 def softmax_kv_splits(programs, Tk, BN, sms):
@@ -287,7 +287,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    BM, BN, warps, stages = softmax_fwd_config(BK, BV, q.element_size(), max_len)
+    BM, BN, warps, stages, last_first = softmax_fwd_config(BK, BV, q.element_size(), max_len)
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
     programs = triton.cdiv(max_len, BM) * N * H
@@ -303,7 +303,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        num_warps=warps, num_stages=stages,
+        LAST_FIRST=last_first, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
