@@ -10,6 +10,7 @@ Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; addre
 arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
 1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
+import functools
 import os
 from typing import Optional
 
@@ -268,7 +269,12 @@ def multiprocessors(device):
     """Streaming multiprocessors of a CUDA device (32 for the interpreter: small tests split the keys)."""
     if device.type != "cuda":
         return 32
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):

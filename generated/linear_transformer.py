@@ -10,6 +10,7 @@ Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; addre
 arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
 1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
 """
+import functools
 import os
 from typing import Optional
 
