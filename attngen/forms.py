@@ -18,6 +18,7 @@ Only exponentials of differences of cumulative decays appear, never exp(-cumsum)
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch.linalg import solve_triangular
@@ -37,13 +38,27 @@ class Ctx:
     dtype: torch.dtype          # compute dtype: float64 for float64 inputs, else float32
     device: torch.device
     omega: torch.Tensor | None  # FAVOR+ random features [F, K]
+    phi: Callable | None        # the elementwise feature map as a torch function (None for FAVOR+)
 
 
 # --------------------------------------------------------------------------- shared stages
 
 def feature_map(ctx: Ctx, q, k):
     """q, k [B, T, H, K] -> q_hat, k_hat [B, T, H, F]: phi, l2 norm, scale (on q)."""
-    return reference.featurize(ctx.spec, q.to(ctx.dtype), k.to(ctx.dtype), ctx.call.scale, ctx.omega)
+    qh, kh = (_phi(ctx, x.to(ctx.dtype)) for x in (q, k))
+    if ctx.spec.qk_norm == "l2":
+        qh, kh = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + reference.L2_EPS) for x in (qh, kh))
+    return qh * ctx.call.scale, kh
+
+
+def _phi(ctx: Ctx, x):
+    """[..., K] -> [..., F]: the elementwise map ctx.phi, or FAVOR+ (the exponent's square
+    subtracted inside the exp, so it stays finite for large |x|)."""
+    if ctx.phi is not None:
+        return ctx.phi(x)
+    xs = x * x.shape[-1] ** -0.25
+    proj = xs @ ctx.omega.to(x.dtype).T
+    return torch.exp(proj - 0.5 * (xs * xs).sum(-1, keepdim=True)) * ctx.omega.shape[0] ** -0.5
 
 
 def log_decay(ctx: Ctx, g):

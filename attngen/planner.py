@@ -243,13 +243,12 @@ def kernel_spec(spec: Spec) -> KernelSpec:
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:
-    """Run a form's stages in topological order with the PyTorch stage functions."""
+    """Run a form's stages with the PyTorch stage functions, in the order listed: validate_form
+    checked it is a topological order of the stage graph (no graph is built per call, so
+    torch.compile traces straight through)."""
     env = dict(env)
-    order = [n for n in nx.topological_sort(form.graph()) if n not in ("input", "output")]
-    by_fn = {s.fn: s for s in form.stages}
-    for fn in order:
-        stage = by_fn[fn]
-        result = getattr(forms, fn)(ctx, **{arg: env[name] for arg, name in stage.inputs})
+    for stage in form.stages:
+        result = getattr(forms, stage.fn)(ctx, **{arg: env[name] for arg, name in stage.inputs})
         result = result if isinstance(result, tuple) else (result,)
         env.update(zip(stage.outputs, result))
     return {name: env[name] for name in form.outputs}

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import codegen, forms, planner, reference
+from . import algebra, codegen, forms, planner, reference
 from .inputs import Call, check_linear, check_softmax, packed_offsets
 from .spec import Spec, load_spec
 
@@ -32,6 +32,10 @@ class Op:
         self.spec = spec
         self.plan = planner.plan(spec)
         self._omega: dict = {}
+        # the feature map as a torch function, built once: a call (and torch.compile's trace of
+        # it) runs no sympy
+        self._phi = None if spec.feature_map == "favor_plus" or not spec.is_linear else \
+            algebra.torch_function(algebra.feature_expr(spec.feature_map, spec.feature_expr))
         # Generated kernels are imported up front where they can run, so a traced call
         # (torch.compile) finds them ready.
         self._kernels = kernels_for(self) if _kernels_possible() else None
@@ -80,7 +84,8 @@ class Op:
     def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The PyTorch forms: the plan's stages executed with autograd."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype))
+        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype),
+                        self._phi)
         env = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
         out = planner.execute(self.plan.form(choice.form), ctx, env)
         o = out["o"].to(q.dtype)

@@ -1,0 +1,45 @@
+"""torch.compile(fullgraph=True) traces every shipped spec's op without a graph break on the
+PyTorch forms (the default CPU path), forward and backward, and does not recompile when called
+again with the same shapes (issue: 'Inline attempt with __self__' from the plan's networkx graph,
+sympy run inside the call)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen.testing import Shape, random_inputs
+
+SPECS = sorted((Path(__file__).resolve().parents[1] / "specs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    torch._dynamo.reset()  # every spec's step is the same code object: start its cache afresh
+    op = attngen.load(path)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, heads=2, head_dim=8, value_dim=8),
+                           dtype=torch.float32)
+    inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(**kw):
+        out = op(**kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager = step(**inputs)
+    for _ in range(2):
+        leaves = {n: t.detach().requires_grad_(True) if t.is_floating_point() else t for n, t in inputs.items()}
+        o = compiled(**leaves)
+        o.sum().backward()
+        assert torch.allclose(o, eager, rtol=1e-5, atol=1e-6)
+        assert all(t.grad is not None and torch.isfinite(t.grad).all()
+                   for t in leaves.values() if isinstance(t, torch.Tensor) and t.requires_grad)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
