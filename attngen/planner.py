@@ -200,6 +200,23 @@ def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None =
     return Choice(form, size, reason)
 
 
+# The PyTorch forms run a packed call (cu_seqlens) in groups of sequences, each group padded to
+# its longest: sequences whose lengths round up to the same power of two of PACK_UNIT tokens (of
+# chunks, in the chunked form) form a group. Padding then at most doubles a group's tokens (and
+# quadruples the quadratic forms' work) and there are O(log T) groups, so the cost follows the
+# total number of tokens, not the number of sequences times the longest.
+PACK_UNIT = 16
+
+
+def packed_groups(lengths: list[int], choice: Choice) -> list[list[int]]:
+    """The sequences (indices into lengths) of each group a packed call runs as, shortest first."""
+    unit = choice.chunk if choice.form == "chunked" else PACK_UNIT
+    groups: dict[int, list[int]] = {}
+    for n, length in enumerate(lengths):
+        groups.setdefault((-(-length // unit) - 1).bit_length(), []).append(n)
+    return [groups[key] for key in sorted(groups)]
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Every structural choice the kernel templates need, decided here, once."""
