@@ -49,12 +49,26 @@ def feature_map(ctx: Ctx, q, k):
     return reference.featurize(ctx.spec, q.to(ctx.dtype), k.to(ctx.dtype), ctx.call.scale, ctx.omega)
 
 
+# Log decays are raised to this floor. exp underflows to exactly 0 below about -745 in float64
+# (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same results, while
+# differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of floors stay exact
+# to float64 rounding over any chunk.
+LOG_DECAY_FLOOR = -1e4
+
+
+def floor_log_decay(g):
+    """g raised to LOG_DECAY_FLOOR (NaN stays NaN; the gradient below the floor is 0, as is
+    that of exp(g) at g = -inf)."""
+    return g.clamp(min=LOG_DECAY_FLOOR)
+
+
 def log_decay(ctx: Ctx, g):
-    """g -> per-token log decay [B, T, H, Fg] (Fg = 1 for none/constant/scalar, F for vector)."""
+    """g -> per-token log decay [B, T, H, Fg] (Fg = 1 for none/constant/scalar, F for vector),
+    floored at LOG_DECAY_FLOOR."""
     B, T, H = ctx.call.batch, ctx.call.q_len, ctx.call.heads
     if ctx.spec.decay == "none":
         return torch.zeros(B, T, H, 1, dtype=ctx.dtype, device=ctx.device)
-    g = g.to(ctx.dtype)
+    g = floor_log_decay(g.to(ctx.dtype))
     if ctx.spec.decay == "constant":
         return g[None, None, :, None].expand(B, T, H, 1)
     return g[..., None] if ctx.spec.decay == "scalar" else g
@@ -219,7 +233,7 @@ def softmax_attend(ctx: Ctx, qs, ks, vs, gs, valid):
     spec, Tk = ctx.spec, ks.shape[2]
     Tq = qs.shape[2] if valid is not None else ctx.call.q_len
     qs = qs[:, :, :Tq]
-    G = None if gs is None else gs.to(torch.float64).cumsum(-1)    # [N, H, Tk]
+    G = None if gs is None else floor_log_decay(gs.to(torch.float64)).cumsum(-1)    # [N, H, Tk]
     outs = []
     for start in range(0, Tq, SOFTMAX_QUERY_BLOCK):
         end = min(start + SOFTMAX_QUERY_BLOCK, Tq)
