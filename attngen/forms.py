@@ -52,7 +52,7 @@ def feature_map(ctx: Ctx, q, k):
 # Log decays are raised to this floor. exp underflows to exactly 0 below about -745 in float64
 # (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same results, while
 # differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of floors stay exact
-# to float64 rounding over any chunk.
+# to float64 rounding over any chunk. The kernels apply the same floor where they load g.
 LOG_DECAY_FLOOR = -1e4
 
 

@@ -237,6 +237,7 @@ class KernelSpec:
     window: int
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
+    log_decay_floor: float          # log decays are raised to it where the kernels load them
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -254,7 +255,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS)
+        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS, log_decay_floor=forms.LOG_DECAY_FLOOR)
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 import attngen
 from attngen.reference import reference
-from attngen.testing import Shape, compare, outputs_and_grads, random_inputs, rel_error, tolerance
+from attngen.testing import LOWP_FACTOR, Shape, compare, outputs_and_grads, random_inputs, rel_error, tolerance
 
 SPECS = {
     "mamba2": "specs/mamba2.yaml",            # additive, scalar decay
@@ -137,3 +137,26 @@ def check_resets(name: str, shape: Shape, dtype: torch.dtype) -> None:
 def test_resets_torch(name, shape, monkeypatch):
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
     check_resets(name, shape, torch.float64)
+
+
+@pytest.mark.parametrize("name", RESET_SPECS)
+def test_resets_kernels(name, triton_backend):
+    check_resets(name, RESET_SHAPES["packed"], torch.float32)
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, (0, 90, 200, 300)], ids=["batch", "packed"])
+@pytest.mark.parametrize("strength", [1e1, 1e2])
+def test_forgetting_attention_kernel_strong_gates(strength, cu_seqlens, triton_backend, monkeypatch):
+    """The decay bias of the softmax kernel stays as accurate as in plain PyTorch (the PyTorch
+    form in float32) under strong gates."""
+    op = attngen.load("specs/forgetting_attention.yaml")
+    shape = Shape(batch=1, q_len=300, heads=1, head_dim=16, value_dim=16, cu_seqlens=cu_seqlens)
+    inputs = random_inputs(op.spec, shape, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    inputs["g"] = -strength * torch.rand(inputs["g"].shape, generator=gen, dtype=torch.float64)
+    want = reference(op.spec, **inputs)
+    low = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    err = rel_error(op(**low), want)
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    plain = rel_error(op(**low), want)
+    assert err <= LOWP_FACTOR * plain, f"error {err:.3g}, the PyTorch form's {plain:.3g}"

@@ -98,6 +98,27 @@ def test_bad_value_stays_in_its_sequence_torch(path, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+# The kernels through Triton's interpreter (slow): one spec per kernel family (recurrent, chunked
+# with scalar and vector decay, bidirectional, softmax with the decay bias), the inputs that reach
+# the most state, gradients where they run cheaply, a shorter pack.
+KERNEL_CU_SEQLENS = (0, 9, 30, 41, 50)
+KERNEL_CASES = [
+    ("gated_deltanet", ("recurrent", None), ["g", "v"], False),
+    ("gated_deltanet", ("chunked", 16), ["g"], True),
+    ("gla", ("chunked", 16), ["g"], False),
+    ("linear_bidirectional", ("parallel", None), ["k"], True),
+    ("forgetting_attention", ("parallel", None), ["g", "k"], True),
+]
+
+
+@pytest.mark.parametrize("name,variant,names,with_grads", KERNEL_CASES,
+                         ids=[f"{c[0]}-{c[1][0]}" for c in KERNEL_CASES])
+def test_bad_value_stays_in_its_sequence_kernels(name, variant, names, with_grads, triton_backend):
+    op = attngen.load(f"specs/{name}.yaml")
+    failures = damaged(op, packed_inputs(op, KERNEL_CU_SEQLENS), [variant], names, BAD[:2], with_grads)
+    assert not failures, "\n".join(failures)
+
+
 # --------------------------------------------------------------------------- cost of the PyTorch forms
 
 class ElementCount(TorchDispatchMode):
