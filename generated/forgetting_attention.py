@@ -196,18 +196,14 @@ def softmax_segment_cumsum_kernel(
     # dims
     T, H: tl.constexpr,
     # meta
-    BT: tl.constexpr, BH: tl.constexpr, IS_VARLEN: tl.constexpr, FLOOR: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr, FLOOR: tl.constexpr,
 ):
-    """out = the inclusive cumsum of x [B, T, H] along each sequence (a batch row, or a packed
-    sequence), in float64 from the sequence's first token: nothing crosses into another sequence.
-    FLOOR: x is a log decay, raised to the floor where it is loaded."""
+    """out = the inclusive cumsum of x [1, T, H] along each packed sequence, in float64 from the
+    sequence's first token: nothing crosses into another sequence. FLOOR: x is a log decay,
+    raised to the floor where it is loaded."""
     i_n = tl.program_id(0)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
     o_h = tl.arange(0, BH)
     m_h = o_h < H
     # [BH] the sum over the sequence's tokens before the current block
@@ -229,13 +225,17 @@ def softmax_segment_cumsum(x, cu_seqlens, floor):
     sequence (each batch row, or each packed sequence of cu_seqlens); floor: x is a log decay,
     raised to the log-decay floor first."""
     B, T, H = x.shape
-    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if cu_seqlens is None:
+        # a batch row is a sequence: torch's cumsum along T stays in it, and runs in parallel
+        # over T (decode reads a whole cache of keys per call)
+        x = x.to(torch.float64)
+        return torch.cumsum(x.clamp(min=-10000.0) if floor else x, 1)
     out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
     BH = triton.next_power_of_2(H)
-    # one program per sequence walks its tokens in [BT, BH] tiles of 2048 elements
+    # one program per packed sequence walks its tokens in [BT, BH] tiles of 2048 elements
     BT = min(1024, max(16, 2048 // BH))
-    softmax_segment_cumsum_kernel[(N,)](
-        x, out, cu_seqlens, T, H, BT=BT, BH=BH, IS_VARLEN=cu_seqlens is not None, FLOOR=floor, num_warps=4)
+    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1,)](
+        x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
     return out
 
 
