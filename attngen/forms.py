@@ -14,6 +14,9 @@ decay inside the chunk, Γ_t = exp(G_t), decay ratios exp(G_t - G_i) <= 1 for i 
   output:   O = (Q ⊙ Γ) S0 + P U,  P_ti = q_t·diag(Γ_t/Γ_i) k_i (i <= t)
   state:    S_C = Γ_C S0 + (K ⊙ Γ_C/Γ)^T U
 Only exponentials of differences of cumulative decays appear, never exp(-cumsum).
+
+Packed sequences (cu_seqlens) are computed apart: padding is selected, never multiplied in
+(0 * NaN is NaN), so a non-finite value in one sequence reaches no other.
 """
 from __future__ import annotations
 
@@ -61,12 +64,26 @@ def _phi(ctx: Ctx, x):
     return torch.exp(proj - 0.5 * (xs * xs).sum(-1, keepdim=True)) * ctx.omega.shape[0] ** -0.5
 
 
+# Log decays are raised to this floor. exp underflows to exactly 0 below about -745 in float64
+# (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same results, while
+# differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of floors stay exact
+# to float64 rounding over any chunk. The kernels apply the same floor where they load g.
+LOG_DECAY_FLOOR = -1e4
+
+
+def floor_log_decay(g):
+    """g raised to LOG_DECAY_FLOOR (NaN stays NaN; the gradient below the floor is 0, as is
+    that of exp(g) at g = -inf)."""
+    return g.clamp(min=LOG_DECAY_FLOOR)
+
+
 def log_decay(ctx: Ctx, g):
-    """g -> per-token log decay [B, T, H, Fg] (Fg = 1 for none/constant/scalar, F for vector)."""
+    """g -> per-token log decay [B, T, H, Fg] (Fg = 1 for none/constant/scalar, F for vector),
+    floored at LOG_DECAY_FLOOR."""
     B, T, H = ctx.call.batch, ctx.call.q_len, ctx.call.heads
     if ctx.spec.decay == "none":
         return torch.zeros(B, T, H, 1, dtype=ctx.dtype, device=ctx.device)
-    g = g.to(ctx.dtype)
+    g = floor_log_decay(g.to(ctx.dtype))
     if ctx.spec.decay == "constant":
         return g[None, None, :, None].expand(B, T, H, 1)
     return g[..., None] if ctx.spec.decay == "scalar" else g
@@ -85,8 +102,10 @@ def _pack(ctx: Ctx, x, cu_seqlens, valid):
     x = x.to(ctx.dtype)
     if cu_seqlens is not None:
         N, L = valid.shape
+        # a padded slot gathers some token of the next sequence; select zero there, since
+        # multiplying by zero would carry that token's NaN or inf into this sequence
         idx = (cu_seqlens[:-1, None] + torch.arange(L, device=x.device)).clamp(max=x.shape[1] - 1)
-        x = x[0][idx] * valid.reshape(N, L, *[1] * (x.dim() - 2)).to(x.dtype)
+        x = torch.where(valid.reshape(N, L, *[1] * (x.dim() - 2)), x[0][idx], 0.0)
     pad = -x.shape[1] % ctx.chunk
     if pad:
         x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], 1)
@@ -221,26 +240,40 @@ def share_kv_heads(ctx: Ctx, ks, vs):
     return ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
 
 
-SOFTMAX_QUERY_BLOCK = 1024  # queries per block: bounds the [block, Tk] score tile
+SOFTMAX_QUERY_BLOCK = 1024  # queries per block: bounds the [block, keys] score tile
+
+
+def visible_keys(spec: Spec, p_lo: int, p_hi: int, Tk: int) -> tuple[int, int]:
+    """The keys [lo, hi) that some query at key positions p_lo..p_hi may attend to."""
+    if spec.mask == "bidirectional":
+        return 0, Tk
+    lo = max(p_lo - spec.window + 1, 0) if spec.mask == "sliding_window" else 0
+    return lo, min(p_hi + 1, Tk)
 
 
 def softmax_attend(ctx: Ctx, qs, ks, vs, gs, valid):
-    """Masked softmax attention per query block; queries align to the end of the keys."""
+    """Masked softmax attention per query block, over the keys the block can see (O(T^2)
+    work, O(T * block) memory); queries align to the end of the keys."""
     spec, Tk = ctx.spec, ks.shape[2]
     Tq = qs.shape[2] if valid is not None else ctx.call.q_len
     qs = qs[:, :, :Tq]
-    G = None if gs is None else gs.to(torch.float64).cumsum(-1)    # [N, H, Tk]
+    G = None if gs is None else floor_log_decay(gs.to(torch.float64)).cumsum(-1)    # [N, H, Tk]
     outs = []
     for start in range(0, Tq, SOFTMAX_QUERY_BLOCK):
         end = min(start + SOFTMAX_QUERY_BLOCK, Tq)
-        s = ctx.call.scale * qs[:, :, start:end] @ ks.transpose(-1, -2)
-        pos = torch.arange(start, end, device=qs.device) + (Tk - Tq)
+        lo, hi = visible_keys(spec, start + Tk - Tq, end - 1 + Tk - Tq, Tk)
+        s = ctx.call.scale * qs[:, :, start:end] @ ks[:, :, lo:hi].transpose(-1, -2)
+        # [block, 1] key position of each query, [1, hi - lo] the keys
+        pos = torch.arange(start, end, device=qs.device)[:, None] + (Tk - Tq)
+        j = torch.arange(lo, hi, device=qs.device)[None, :]
         if G is not None:
-            s = s + (G[..., pos, None] - G[..., None, :]).to(s.dtype)
-        allowed = reference.softmax_allowed(spec, Tq, Tk, qs.device)[start:end]
+            s = s + (G[..., pos] - G[..., None, lo:hi]).to(s.dtype)
+        allowed = torch.ones_like(j, dtype=torch.bool) if spec.mask == "bidirectional" else j <= pos
+        if spec.mask == "sliding_window":
+            allowed = allowed & (j > pos - spec.window)
         if valid is not None:
-            allowed = allowed & valid[:, None, None, :]
+            allowed = allowed & valid[:, None, None, lo:hi]
         # A finite floor, not -inf: padded query rows may see no key; they are dropped later.
         s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
-        outs.append(torch.softmax(s, -1) @ vs)
+        outs.append(torch.softmax(s, -1) @ vs[:, :, lo:hi])
     return torch.cat(outs, 2)

@@ -202,6 +202,23 @@ def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None =
     return Choice(form, size, reason)
 
 
+# The PyTorch forms run a packed call (cu_seqlens) in groups of sequences, each group padded to
+# its longest: sequences whose lengths round up to the same power of two of PACK_UNIT tokens (of
+# chunks, in the chunked form) form a group. Padding then at most doubles a group's tokens (and
+# quadruples the quadratic forms' work) and there are O(log T) groups, so the cost follows the
+# total number of tokens, not the number of sequences times the longest.
+PACK_UNIT = 16
+
+
+def packed_groups(lengths: list[int], choice: Choice) -> list[list[int]]:
+    """The sequences (indices into lengths) of each group a packed call runs as, shortest first."""
+    unit = choice.chunk if choice.form == "chunked" else PACK_UNIT
+    groups: dict[int, list[int]] = {}
+    for n, length in enumerate(lengths):
+        groups.setdefault((-(-length // unit) - 1).bit_length(), []).append(n)
+    return [groups[key] for key in sorted(groups)]
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Every structural choice the kernel templates need, decided here, once."""
@@ -222,6 +239,7 @@ class KernelSpec:
     window: int
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
+    log_decay_floor: float          # log decays are raised to it where the kernels load them
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -239,7 +257,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS)
+        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS, log_decay_floor=forms.LOG_DECAY_FLOOR)
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

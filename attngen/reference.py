@@ -132,9 +132,13 @@ def _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype):
         Tq, Tk = qs.shape[0], ks.shape[0]
         s = call.scale * torch.einsum("thk,jhk->htj", qs, ks)
         if gs is not None:
-            G = torch.cumsum(gs, 0).T                           # [H, Tk]: sum of g_1..g_j
+            # the sum of g_i over j < i <= t, summed as written (from i = t down), not as a
+            # difference of cumulative sums: a reset (g_i = -inf) makes it -inf, not -inf - -inf
             pos = torch.arange(Tq, device=q.device) + (Tk - Tq)
-            s = s + G[:, pos, None] - G[:, None, :]             # sum of g_{j+1..t}
+            i = torch.arange(Tk, device=q.device)
+            terms = torch.where(i[None, :] <= pos[:, None], gs.T[:, None, :], 0.0)    # [H, Tq, Tk]: g_i, i <= t
+            upward = terms.flip(-1).cumsum(-1).flip(-1)                              # sum over i >= j
+            s = s + torch.cat([upward[..., 1:], torch.zeros_like(upward[..., :1])], -1)
         s = s.masked_fill(~softmax_allowed(spec, Tq, Tk, q.device), float("-inf"))
         outs.append(torch.einsum("htj,jhv->thv", torch.softmax(s, -1), vs))
     return torch.cat(outs)[None] if cu_seqlens is not None else torch.stack(outs)

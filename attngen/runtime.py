@@ -1,6 +1,8 @@
 """The public op: attngen.load(spec) -> an op with the runtime contract of DESIGN.md §2."""
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import threading
 from functools import lru_cache
@@ -82,16 +84,64 @@ class Op:
         return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
     def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
-        """The PyTorch forms: the plan's stages executed with autograd."""
+        """The PyTorch forms: the plan's stages executed with autograd (a packed call group by
+        group of sequences, planner.packed_groups)."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype),
-                        self._phi)
         env = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
-        out = planner.execute(self.plan.form(choice.form), ctx, env)
+        if cu_seqlens is None:
+            out = self._execute(call, choice, env, dtype)
+        else:
+            out = self._execute_packed(call, choice, env, dtype)
         o = out["o"].to(q.dtype)
         if not self.spec.is_linear:
             return o
         return o, (out["final_state"].to(dtype) if output_final_state else None)
+
+    def _execute(self, call, choice, env, dtype) -> dict:
+        q = env["q"]
+        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype),
+                        self._phi)
+        return planner.execute(self.plan.form(choice.form), ctx, env)
+
+    def _execute_packed(self, call, choice, env, dtype) -> dict:
+        """Each group of packed sequences as a packed call of its own; outputs back in order."""
+        cu_seqlens = env["cu_seqlens"]
+        cu = cu_seqlens.tolist()
+        lengths = [end - start for start, end in zip(cu, cu[1:])]
+        groups = planner.packed_groups(lengths, choice)
+        if len(groups) == 1:
+            return self._execute(call, choice, env, dtype)
+        device = cu_seqlens.device
+        per_token = ["q", "k", "v", "beta"] + (["g"] if self.spec.decay in ("scalar", "vector") else [])
+        outs, tokens, seqs = [], [], []
+        for group in groups:
+            rows = torch.tensor(group, device=device)
+            sizes = [lengths[n] for n in group]
+            sub_cu = torch.tensor([0, *itertools.accumulate(sizes)], dtype=cu_seqlens.dtype, device=device)
+            # the group's tokens: each sequence's start, shifted to where it lands in the group
+            idx = torch.repeat_interleave(cu_seqlens[rows] - sub_cu[:-1], sub_cu[1:] - sub_cu[:-1],
+                                          output_size=int(sub_cu[-1])) + torch.arange(int(sub_cu[-1]), device=device)
+            sub = dict(env, cu_seqlens=sub_cu)
+            for name in per_token:
+                if env.get(name) is not None:
+                    sub[name] = env[name][:, idx]
+            if env.get("initial_state") is not None:
+                sub["initial_state"] = env["initial_state"][rows]
+            sub_call = dataclasses.replace(call, q_len=len(idx), k_len=len(idx), num_seqs=len(group), max_len=max(sizes))
+            sub_choice = planner.choose(self.plan, sub_call, choice.form,
+                                        choice.chunk if choice.form == "chunked" else None)
+            outs.append(self._execute(sub_call, sub_choice, sub, dtype))
+            tokens.append(idx)
+            seqs.append(rows)
+        # the inverse permutations: where each token (sequence) of the call went
+        token_at = torch.empty(cu[-1], dtype=torch.int64, device=device)
+        token_at[torch.cat(tokens)] = torch.arange(cu[-1], device=device)
+        out = {"o": torch.cat([o["o"] for o in outs], 1)[:, token_at]}
+        if "final_state" in outs[0]:
+            seq_at = torch.empty(len(lengths), dtype=torch.int64, device=device)
+            seq_at[torch.cat(seqs)] = torch.arange(len(lengths), device=device)
+            out["final_state"] = torch.cat([o["final_state"] for o in outs])[seq_at]
+        return out
 
     def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The generated Triton kernels, through the op registered with torch.library."""

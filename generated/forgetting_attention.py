@@ -28,6 +28,15 @@ def interpreted():
     """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
+
+@triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
 # ---------------------------------------------------------------------------- softmax forward
 # FlashAttention-2 forward. One program per (query block, sequence x head) keeps its query
 # tile [BM, BK], the output accumulator [BM, BV] and the online-softmax row statistics
@@ -40,18 +49,20 @@ def interpreted():
 # block may see are never loaded, tiles every query sees in full run unmasked, and only the
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
 # Scalar decay: the bias of query position p on key j is G[p] - G[j] = sum of g over j+1..p,
-# G the inclusive cumsum of g (float64, from the launcher; a global cumsum serves varlen too,
-# the offsets cancel). Each block subtracts G at its first query in float64 before going to
-# float32, so the bias keeps its precision however large G grows along the sequence.
+# G the inclusive cumsum of g along each sequence (softmax_decay_pairs: summed in float64 from
+# the sequence's first token, so a NaN or inf gate stays in its sequence, with g raised to the
+# log-decay floor, so a reset g = -inf gives a bias of about the floor, not NaN). G arrives as
+# float32 pairs g_hi + g_lo and the bias is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): accurate
+# to about an ulp of the bias itself however large G grows, and the backward's bits.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log, float32) for the backward.
 
 @triton.jit
 def softmax_fwd_tiles(
     # carried
-    b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos,
+    b_acc, b_l, b_m, b_q, b_ghq, b_glq, o_pos,
     # pointers
-    k, v, gc,
+    k, v, g_hi, g_lo,
     # dims
     k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -75,7 +86,10 @@ def softmax_fwd_tiles(
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
-        b_s += b_gq[:, None] - (tl.load(gc + (k_bos + o_n) * H + i_h, mask=m_n, other=0.0) - g_ref).to(b_s.dtype)[None, :]
+        i_gk = (k_bos + o_n) * H + i_h
+        b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
+        b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
+        b_s += (b_ghq[:, None] - b_ghk[None, :]) + (b_glq[:, None] - b_glk[None, :])
         if MASKED:
             m_s = m_n[None, :] & (o_n[None, :] <= o_pos[:, None])
             b_s = tl.where(m_s, b_s, float("-inf"))
@@ -95,7 +109,7 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, gc, o, lse, cu_seqlens,
+    q, k, v, g_hi, g_lo, o, lse, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
@@ -106,7 +120,7 @@ def softmax_fwd_kernel(
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
-    # lse (float32) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
+    # lse (float64) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
     # softmax_combine_kernel merges the partials by their lse
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
@@ -152,9 +166,9 @@ def softmax_fwd_kernel(
     # the key positions of the block's first and last real query
     p_lo = i_m * BM + (Tk_seq - Tq_seq)
     p_hi = tl.minimum(i_m * BM + BM, Tq_seq) - 1 + (Tk_seq - Tq_seq)
-    # float64 G at the block's first query, and [BM] G at each query's position relative to it
-    g_ref = tl.load(gc + (k_bos + p_lo) * H + i_h)
-    b_gq = (tl.load(gc + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0) - g_ref).to(ACC)
+    # [BM] G at each query's key position, as a float32 pair
+    b_ghq = tl.load(g_hi + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
+    b_glq = tl.load(g_lo + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
     # key tiles: [0, i_edge) allowed for every query of the block, [i_edge, hi) masked
     lo = 0
     i_full = 0
@@ -174,10 +188,10 @@ def softmax_fwd_kernel(
     b_l = tl.zeros([BM], dtype=ACC)
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
+        b_acc, b_l, b_m, b_q, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
         H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, b_gq, g_ref, o_pos, k, v, gc, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
+        b_acc, b_l, b_m, b_q, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
         H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
 
     # every real query sees at least its own key; padding rows may have seen none, and so may
@@ -186,8 +200,9 @@ def softmax_fwd_kernel(
     b_l = tl.where(m_seen, b_l, 1.0)
     # [BM, BV]
     b_o = b_acc / b_l[:, None]
-    # [BM] natural-log lse = ln(2) * (max + log2(sum))
-    b_lse = tl.where(m_seen, (b_m + tl.log2(b_l)) * 0.6931471805599453, float("-inf"))
+    # [BM] natural-log lse = ln(2) * (max + log2(sum)), summed in float64 and rounded once (the
+    # split-KV merge and the backward's P = exp2(s - lse2) amplify its error)
+    b_lse = tl.where(m_seen, (b_m.to(tl.float64) + tl.log2(b_l.to(tl.float64))) * 0.6931471805599453, float("-inf"))
     if SPLIT:
         o += i_split.to(tl.int64) * o_split_stride
         lse += i_split.to(tl.int64) * lse_split_stride
@@ -214,7 +229,7 @@ def softmax_combine_kernel(
     m_s, m_v = o_s < S, o_v < V
     # [BS] the partial lse (natural log) of each split
     o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
-    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf"))
+    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf")).to(tl.float64)
     b_max = tl.max(b_lse, 0)
     b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
     b_sum = tl.sum(b_w, 0)
@@ -222,7 +237,7 @@ def softmax_combine_kernel(
     o_row = i_row.to(tl.int64) * V
     b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
                   mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_out = tl.sum(b_o * b_w[:, None], 0) / b_sum
+    b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
     tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
     tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
 
@@ -277,6 +292,67 @@ def _multiprocessors(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@triton.jit
+def softmax_segment_cumsum_kernel(
+    # pointers
+    x, out, cu_seqlens,
+    # dims
+    T, H: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BH: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """out = the inclusive cumsum of x [1, T, H] along each packed sequence, in float64 from the
+    sequence's first token: nothing crosses into another sequence. FLOOR: x is a log decay,
+    raised to the floor where it is loaded."""
+    i_n = tl.program_id(0)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    o_h = tl.arange(0, BH)
+    m_h = o_h < H
+    # [BH] the sum over the sequence's tokens before the current block
+    b_carry = tl.zeros([BH], dtype=tl.float64)
+    for i_t in range(0, T_seq, BT):
+        o_t = i_t + tl.arange(0, BT)
+        m_th = (o_t < T_seq)[:, None] & m_h[None, :]
+        i_x = (bos + o_t)[:, None] * H + o_h[None, :]
+        # [BT, BH]
+        b_x = tl.load(x + i_x, mask=m_th, other=0.0).to(tl.float64)
+        if FLOOR:
+            b_x = floor_log_decay(b_x)
+        tl.store(out + i_x, tl.cumsum(b_x, 0) + b_carry[None, :], mask=m_th)
+        b_carry += tl.sum(b_x, 0)
+
+
+def softmax_segment_cumsum(x, cu_seqlens, floor):
+    """x [B, T, H] contiguous -> float64 [B, T, H]: the inclusive cumsum along T within each
+    sequence (each batch row, or each packed sequence of cu_seqlens); floor: x is a log decay,
+    raised to the log-decay floor first."""
+    B, T, H = x.shape
+    if cu_seqlens is None:
+        # a batch row is a sequence: torch's cumsum along T stays in it, and runs in parallel
+        # over T (decode reads a whole cache of keys per call)
+        x = x.to(torch.float64)
+        return torch.cumsum(x.clamp(min=-10000.0) if floor else x, 1)
+    out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
+    BH = triton.next_power_of_2(H)
+    # one program per packed sequence walks its tokens in [BT, BH] tiles of 2048 elements
+    BT = min(1024, max(16, 2048 // BH))
+    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1,)](
+        x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
+    return out
+
+
+def softmax_decay_pairs(g, cu_seqlens, is_fp64):
+    """g [B, Tk, H] contiguous -> (g_hi, g_lo) [B, Tk, H]: G, the inclusive cumsum of the floored g
+    along each sequence in log2 units, as float32 g_hi = G rounded and g_lo = the remainder
+    (float64 inputs: G and 0)."""
+    gc = softmax_segment_cumsum(g, cu_seqlens, True) * LOG2E
+    if is_fp64:
+        return gc, torch.zeros_like(gc)
+    g_hi = gc.to(torch.float32)
+    return g_hi, (gc - g_hi.to(torch.float64)).to(torch.float32)
+
+
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
@@ -293,8 +369,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     if is_fp64:
         # a Triton float argument is float32: fold the scale into q to keep float64 exact
         q, qk_scale = q * qk_scale, 1.0
-    # [B, Tk, H] G = inclusive cumsum of g in log2 units, float64 (the kernel rebases it per block)
-    gc = torch.cumsum(g.to(torch.float64), 1) * LOG2E
+    g_hi, g_lo = softmax_decay_pairs(g, cu_seqlens, is_fp64)
     # Triton's interpreter (the CPU) multiplies bfloat16 tiles in tl.dot as raw integer bit
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
@@ -304,13 +379,13 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
     programs = triton.cdiv(max_len, BM) * N * H
     splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
-    # split-KV: the splits' partial outputs and lse, float32 (float64 for float64 inputs)
+    # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
-    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=acc)
+    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = triton.cdiv(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
-        q, k, v, gc, o_run, lse_run, cu_seqlens,
+        q, k, v, g_hi, g_lo, o_run, lse_run, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
@@ -340,16 +415,17 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
 # nothing to dk, dv; padding keys are masked in the dq loop and never stored by the dkdv program.
 # Transposed operands are loaded transposed from memory, or tl.trans'd as loaded values: never a
 # tl.trans of a tl.dot result feeding another tl.dot (miscompiled on Hopper by Triton 3.4-3.7).
-# Scalar decay: G, the inclusive cumsum of g, comes from the launcher as float32 pairs
-# G = g_hi + g_lo (g_hi = G rounded, g_lo the remainder); the bias of query position p on key j
-# is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): float32 arithmetic, accurate to about an ulp of
-# the bias itself however large G grows, and the same bits in both kernels. Its gradient: dS
-# adds +rowsum(dS) to dG at each query's key position (dq kernel) and -colsum(dS) to dG at each
-# key (dkdv kernel); the launcher turns dG into dg by a reverse cumsum per sequence. The row
-# sums vanish in exact arithmetic (a row shift leaves a softmax unchanged); keeping them makes
-# dg the sum of the dS actually computed over the pairs the bias of g_i covers, so rounding in
-# delta (o stored in bf16) cancels out of dg. That cancellation needs the two kernels' dS to
-# agree closely, hence the exact-to-an-ulp bias.
+# Scalar decay: G, the inclusive cumsum of g along each sequence, comes from the launcher as
+# float32 pairs G = g_hi + g_lo (softmax_decay_pairs, as in the forward); the bias of query
+# position p on key j is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): float32 arithmetic, accurate
+# to about an ulp of the bias itself however large G grows, and the same bits in every kernel.
+# Its gradient: dS adds +rowsum(dS) to dG at each query's key position (dq kernel) and
+# -colsum(dS) to dG at each key (dkdv kernel); the launcher turns dG into dg by a reverse cumsum
+# per sequence. A gate below the log-decay floor gets dg = 0 up to rounding: every pair its bias
+# covers has P = 0. The row sums vanish in exact arithmetic (a row shift leaves a softmax
+# unchanged); keeping them makes dg the sum of the dS actually computed over the pairs the bias
+# of g_i covers, so rounding in delta (o stored in bf16) cancels out of dg. That cancellation
+# needs the two kernels' dS to agree closely, hence the exact-to-an-ulp bias.
 # float64 inputs: the forward's lse is float32, too coarse for float64 gradients. The dq program
 # sees whole rows, so it also sums c = rowsum(exp2(s - lse2)) (1 up to that rounding), divides
 # its row results by c, and stores lse2 + log2(c) for the dkdv kernel, which therefore runs after.
@@ -683,11 +759,8 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     if is_fp64:
         # a Triton float argument is float32: fold the scale into q and apply it to dq, dk below
         q_in, qk_scale, ds_scale = q * qk_scale, 1.0, 1.0
-    # [B, Tk, H] G = inclusive cumsum of g in log2 units, float64, split into float32 g_hi + g_lo
-    # (float64 inputs: g_hi = G, g_lo = 0)
-    gc = torch.cumsum(g.to(torch.float64), 1) * LOG2E
-    g_hi = gc if is_fp64 else gc.to(torch.float32)
-    g_lo = gc - g_hi.to(torch.float64) if is_fp64 else (gc - g_hi.to(torch.float64)).to(torch.float32)
+    # [B, Tk, H] G in log2 units as float32 pairs g_hi + g_lo (float64 inputs: G and 0)
+    g_hi, g_lo = softmax_decay_pairs(g, cu_seqlens, is_fp64)
     # the interpreter's bfloat16 tl.dot problem: see softmax_fwd
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     dot_precision = "ieee" if q.element_size() >= 4 or upcast_dot else "tf32"
@@ -731,15 +804,12 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
         dq.mul_(scale)
         dk.mul_(1.0 / LOG2E)
 
-    # dg_i = sum of dG_m over m >= i in i's sequence: a reverse cumsum, less (packed) what the
-    # sequences after i's add
+    # dg_i = sum of dG_m over m >= i in i's sequence: a cumsum per sequence of the pack reversed
+    # in time (whose sequences start at Tk - cu_seqlens, reversed)
     dG = dgk.to(torch.float64)
     dG[:, Tk - Tq:] += dgq
-    dg = dG.flip(1).cumsum(1).flip(1)
-    if cu_seqlens is not None:
-        ends = torch.repeat_interleave(cu_seqlens[1:], cu_seqlens[1:] - cu_seqlens[:-1])
-        dg = dg - torch.cat([dg, dg.new_zeros(1, 1, H)], 1)[:, ends]
-    dg = dg.to(g.dtype)
+    reversed_cu = None if cu_seqlens is None else (Tk - cu_seqlens).flip(0)
+    dg = softmax_segment_cumsum(dG.flip(1), reversed_cu, False).flip(1).to(g.dtype)
     return dq, dk, dv, dg
 
 

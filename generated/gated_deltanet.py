@@ -30,6 +30,15 @@ def interpreted():
 
 
 @triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
+
+@triton.jit
 def phi(x):
     # the feature map, printed from sympy
     return x
@@ -526,7 +535,7 @@ def chunked_ut_kernel(
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
     # [16] cumulative log decay from the chunk's start, float64
-    b_g0 = tl.load(g + o_tok0, mask=m_t0, other=0.0).to(tl.float64)
+    b_g0 = floor_log_decay(tl.load(g + o_tok0, mask=m_t0, other=0.0).to(tl.float64))
     b_G0 = tl.cumsum(b_g0, 0) + b_carry
     b_carry += tl.sum(b_g0, 0)
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
@@ -560,7 +569,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start, float64
-        b_g1 = tl.load(g + o_tok1, mask=m_t1, other=0.0).to(tl.float64)
+        b_g1 = floor_log_decay(tl.load(g + o_tok1, mask=m_t1, other=0.0).to(tl.float64))
         b_G1 = tl.cumsum(b_g1, 0) + b_carry
         b_carry += tl.sum(b_g1, 0)
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
@@ -598,7 +607,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start, float64
-        b_g2 = tl.load(g + o_tok2, mask=m_t2, other=0.0).to(tl.float64)
+        b_g2 = floor_log_decay(tl.load(g + o_tok2, mask=m_t2, other=0.0).to(tl.float64))
         b_G2 = tl.cumsum(b_g2, 0) + b_carry
         b_carry += tl.sum(b_g2, 0)
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
@@ -639,7 +648,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start, float64
-        b_g3 = tl.load(g + o_tok3, mask=m_t3, other=0.0).to(tl.float64)
+        b_g3 = floor_log_decay(tl.load(g + o_tok3, mask=m_t3, other=0.0).to(tl.float64))
         b_G3 = tl.cumsum(b_g3, 0) + b_carry
         b_carry += tl.sum(b_g3, 0)
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
@@ -727,7 +736,7 @@ def chunked_states_kernel(
         # [BT, BV]
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -800,7 +809,7 @@ def chunked_output_kernel(
     b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1062,7 +1071,7 @@ def chunked_bwd_delta_kernel(
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C

@@ -30,6 +30,15 @@ def interpreted():
 
 
 @triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
+
+@triton.jit
 def phi(x):
     # the feature map, printed from sympy
     return x
@@ -481,8 +490,8 @@ def chunked_states_kernel(
         # [BT, BV]
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
-        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+        b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
         # [BF]
         b_GC = tl.sum(b_g, 0)
         # Γ_t and Γ_C/Γ_t; [BF] Γ_C
@@ -542,9 +551,9 @@ def chunked_output_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
     # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
     b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
     # [BF]
     b_GC = tl.sum(b_g, 0)
     # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
@@ -806,9 +815,9 @@ def chunked_bwd_kernel(
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
-        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
         # [BF]
         b_GC = tl.sum(b_g, 0)
         # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C

@@ -30,6 +30,15 @@ def interpreted():
 
 
 @triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
+
+@triton.jit
 def phi(x):
     # the feature map, printed from sympy
     return x
@@ -528,7 +537,7 @@ def chunked_ut_kernel(
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
     # [16, BF] cumulative log decay from the chunk's start, float64
-    b_g0 = tl.load(g + o_tok0[:, None] * K + o_f[None, :], mask=m_t0[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+    b_g0 = floor_log_decay(tl.load(g + o_tok0[:, None] * K + o_f[None, :], mask=m_t0[:, None] & m_f[None, :], other=0.0).to(tl.float64))
     b_G0 = tl.cumsum(b_g0, 0) + b_carry[None, :]
     b_carry += tl.sum(b_g0, 0)
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
@@ -567,7 +576,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
-        b_g1 = tl.load(g + o_tok1[:, None] * K + o_f[None, :], mask=m_t1[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g1 = floor_log_decay(tl.load(g + o_tok1[:, None] * K + o_f[None, :], mask=m_t1[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G1 = tl.cumsum(b_g1, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g1, 0)
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
@@ -618,7 +627,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
-        b_g2 = tl.load(g + o_tok2[:, None] * K + o_f[None, :], mask=m_t2[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g2 = floor_log_decay(tl.load(g + o_tok2[:, None] * K + o_f[None, :], mask=m_t2[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G2 = tl.cumsum(b_g2, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g2, 0)
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
@@ -680,7 +689,7 @@ def chunked_ut_kernel(
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
-        b_g3 = tl.load(g + o_tok3[:, None] * K + o_f[None, :], mask=m_t3[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g3 = floor_log_decay(tl.load(g + o_tok3[:, None] * K + o_f[None, :], mask=m_t3[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G3 = tl.cumsum(b_g3, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g3, 0)
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
@@ -800,9 +809,9 @@ def chunked_states_kernel(
         # [BT, BV]
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
-        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
         # [BF]
         b_GC = tl.sum(b_g, 0)
         # Γ_t and Γ_C/Γ_t; [BF] Γ_C
@@ -872,9 +881,9 @@ def chunked_output_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
     # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
     b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
     # [BF]
     b_GC = tl.sum(b_g, 0)
     # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
@@ -1149,9 +1158,9 @@ def chunked_bwd_delta_kernel(
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
-        b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
+        b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
         # [BF]
         b_GC = tl.sum(b_g, 0)
         # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C

@@ -30,6 +30,15 @@ def interpreted():
 
 
 @triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
+
+@triton.jit
 def phi(x):
     # the feature map, printed from sympy
     return x
@@ -477,7 +486,7 @@ def chunked_states_kernel(
         # [BT, BV]
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -540,7 +549,7 @@ def chunked_output_kernel(
     b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
 
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -791,7 +800,7 @@ def chunked_bwd_kernel(
         o_hc = ((boc + i_c) * H + i_h) * F * VS
         b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C

@@ -30,6 +30,15 @@ def interpreted():
 
 
 @triton.jit
+def floor_log_decay(x):
+    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
+    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
+    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
+    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
+    return tl.where(x < -10000.0, -10000.0, x)
+
+
+@triton.jit
 def phi(x):
     # the feature map, printed from sympy
     return x
@@ -460,7 +469,7 @@ def chunked_states_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    b_gc = tl.load(g + i_h).to(tl.float64)
+    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
 
     # [BF, BV] state block; row offsets into the [N, H, F, VS] state
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
@@ -533,7 +542,7 @@ def chunked_output_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     # [BT, BT] token s may reach token t of the same chunk: s <= t
     m_causal = o_i[:, None] >= o_i[None, :]
-    b_gc = tl.load(g + i_h).to(tl.float64)
+    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
@@ -772,7 +781,7 @@ def chunked_bwd_kernel(
     # [BT, BT] s < t in [t, s] (the gradients' pairs, s = t apart) and s <= t in [s, t] (scores transposed)
     m_strict = o_i[:, None] > o_i[None, :]
     m_causal_t = o_i[:, None] <= o_i[None, :]
-    b_gc = tl.load(g + i_h).to(tl.float64)
+    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
     # this value block's rows of the [NV, B * T * H, *] shares (int64)
     o_part = i_v.to(tl.int64) * NTOK * H
 

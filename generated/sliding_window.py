@@ -101,7 +101,7 @@ def softmax_fwd_kernel(
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
-    # lse (float32) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
+    # lse (float64) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
     # softmax_combine_kernel merges the partials by their lse
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
@@ -182,8 +182,9 @@ def softmax_fwd_kernel(
     b_l = tl.where(m_seen, b_l, 1.0)
     # [BM, BV]
     b_o = b_acc / b_l[:, None]
-    # [BM] natural-log lse = ln(2) * (max + log2(sum))
-    b_lse = tl.where(m_seen, (b_m + tl.log2(b_l)) * 0.6931471805599453, float("-inf"))
+    # [BM] natural-log lse = ln(2) * (max + log2(sum)), summed in float64 and rounded once (the
+    # split-KV merge and the backward's P = exp2(s - lse2) amplify its error)
+    b_lse = tl.where(m_seen, (b_m.to(tl.float64) + tl.log2(b_l.to(tl.float64))) * 0.6931471805599453, float("-inf"))
     if SPLIT:
         o += i_split.to(tl.int64) * o_split_stride
         lse += i_split.to(tl.int64) * lse_split_stride
@@ -210,7 +211,7 @@ def softmax_combine_kernel(
     m_s, m_v = o_s < S, o_v < V
     # [BS] the partial lse (natural log) of each split
     o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
-    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf"))
+    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf")).to(tl.float64)
     b_max = tl.max(b_lse, 0)
     b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
     b_sum = tl.sum(b_w, 0)
@@ -218,7 +219,7 @@ def softmax_combine_kernel(
     o_row = i_row.to(tl.int64) * V
     b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
                   mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_out = tl.sum(b_o * b_w[:, None], 0) / b_sum
+    b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
     tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
     tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
 
@@ -298,10 +299,10 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
     programs = triton.cdiv(max_len, BM) * N * H
     splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
-    # split-KV: the splits' partial outputs and lse, float32 (float64 for float64 inputs)
+    # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
-    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=acc)
+    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = triton.cdiv(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
         q, k, v, o_run, lse_run, cu_seqlens,
