@@ -431,8 +431,9 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop
 #   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
-#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t), a loop over key rows s,
-#      O = (Q ⊙ Γ) S_c + P U
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U; by 16-token blocks, P's pairs across blocks
+#      through the block-start states (the chunked form again, inside the chunk)
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features).
 # G [BT, BF] is the cumulative log decay inside the chunk, in float64: only exp of differences
@@ -522,22 +523,30 @@ def chunked_ut_kernel(
     # [16, BK] -> [16, BF]
     b_k0 = tl.load(k + o_tok0[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
+    # [BK, 16] -> [BF, 16] the keys transposed by the load
+    b_kt0 = tl.load(k + o_tok0[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+    b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
     # [16, BF] cumulative log decay from the chunk's start, float64
     b_g0 = tl.load(g + o_tok0[:, None] * K + o_f[None, :], mask=m_t0[:, None] & m_f[None, :], other=0.0).to(tl.float64)
     b_G0 = tl.cumsum(b_g0, 0) + b_carry[None, :]
     b_carry += tl.sum(b_g0, 0)
+    # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+    b_C0 = b_carry
+    # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+    b_gt0 = tl.load(g + o_tok0[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t0[None, :], other=0.0).to(tl.float64)
+    b_kdt0 = b_kt0 * tl.exp((tl.sum(b_gt0, 1)[:, None] - tl.cumsum(b_gt0, 1)).to(tl.float32))
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
+    # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
     b_A00 = tl.zeros([16, 16], dtype=tl.float32)
-    for s in range(0, 16):
-        m_s = o_j == s
-        # [BF] key s of block 0 and its cumulative log decay
-        b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-        b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-        # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-        b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G0 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-        b_A00 = tl.where(m_s[None, :], tl.sum(b_k0 * b_kd, 1)[:, None], b_A00)
+    b_W = tl.zeros([16, BF], dtype=tl.float64)
+    for d in range(1, 16):
+        m_d = m_t0 & (o_j >= d)
+        b_W += tl.load(g + (o_tok0 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_ks = tl.load(k + (o_tok0 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+        b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
     b_A00 = b_A00 * b_beta0[:, None]
     # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
     b_Ai00 = tl.where(m_eye, 1.0, 0.0)
@@ -561,33 +570,33 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k1 = tl.load(k + o_tok1[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt1 = tl.load(k + o_tok1[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
+        b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g1 = tl.load(g + o_tok1[:, None] * K + o_f[None, :], mask=m_t1[:, None] & m_f[None, :], other=0.0).to(tl.float64)
         b_G1 = tl.cumsum(b_g1, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g1, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C1 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt1 = tl.load(g + o_tok1[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t1[None, :], other=0.0).to(tl.float64)
+        b_kdt1 = b_kt1 * tl.exp((tl.sum(b_gt1, 1)[:, None] - tl.cumsum(b_gt1, 1)).to(tl.float32))
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
-        b_A10 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G1 - b_Gs[None, :]).to(tl.float32))
-            b_A10 = tl.where(m_s[None, :], tl.sum(b_k1 * b_kd, 1)[:, None], b_A10)
-        b_A10 = b_A10 * b_beta1[:, None]
+        # one dot through G at block 0's last token: K_1 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A10 = chunked_dot(b_k1 * tl.exp((b_G1 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta1[:, None]
         # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A11 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G1 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A11 = tl.where(m_s[None, :], tl.sum(b_k1 * b_kd, 1)[:, None], b_A11)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t1 & (o_j >= d)
+            b_W += tl.load(g + (o_tok1 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok1 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
         b_A11 = b_A11 * b_beta1[:, None]
         # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai11 = tl.where(m_eye, 1.0, 0.0)
@@ -612,44 +621,36 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k2 = tl.load(k + o_tok2[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt2 = tl.load(k + o_tok2[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
+        b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g2 = tl.load(g + o_tok2[:, None] * K + o_f[None, :], mask=m_t2[:, None] & m_f[None, :], other=0.0).to(tl.float64)
         b_G2 = tl.cumsum(b_g2, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g2, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C2 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt2 = tl.load(g + o_tok2[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t2[None, :], other=0.0).to(tl.float64)
+        b_kdt2 = b_kt2 * tl.exp((tl.sum(b_gt2, 1)[:, None] - tl.cumsum(b_gt2, 1)).to(tl.float32))
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
-        b_A20 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G2 - b_Gs[None, :]).to(tl.float32))
-            b_A20 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A20)
-        b_A20 = b_A20 * b_beta2[:, None]
+        # one dot through G at block 0's last token: K_2 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A20 = chunked_dot(b_k2 * tl.exp((b_G2 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_21 = diag(β) K_2 diag(Γ_t/Γ_s) K_1^T
-        b_A21 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G2 - b_Gs[None, :]).to(tl.float32))
-            b_A21 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A21)
-        b_A21 = b_A21 * b_beta2[:, None]
+        # one dot through G at block 1's last token: K_2 ⊙ exp(G - G_last) and K_1 ⊙ exp(G_last - G), both <= 1
+        b_A21 = chunked_dot(b_k2 * tl.exp((b_G2 - b_C1[None, :]).to(tl.float32)), b_kdt1, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_22 = diag(β) K_2 diag(Γ_t/Γ_s) K_2^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A22 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 2 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k2, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G2, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G2 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A22 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A22)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t2 & (o_j >= d)
+            b_W += tl.load(g + (o_tok2 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok2 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
         b_A22 = b_A22 * b_beta2[:, None]
         # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai22 = tl.where(m_eye, 1.0, 0.0)
@@ -674,55 +675,39 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k3 = tl.load(k + o_tok3[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt3 = tl.load(k + o_tok3[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
+        b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g3 = tl.load(g + o_tok3[:, None] * K + o_f[None, :], mask=m_t3[:, None] & m_f[None, :], other=0.0).to(tl.float64)
         b_G3 = tl.cumsum(b_g3, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g3, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C3 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt3 = tl.load(g + o_tok3[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t3[None, :], other=0.0).to(tl.float64)
+        b_kdt3 = b_kt3 * tl.exp((tl.sum(b_gt3, 1)[:, None] - tl.cumsum(b_gt3, 1)).to(tl.float32))
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
-        b_A30 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A30 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A30)
-        b_A30 = b_A30 * b_beta3[:, None]
+        # one dot through G at block 0's last token: K_3 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A30 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_31 = diag(β) K_3 diag(Γ_t/Γ_s) K_1^T
-        b_A31 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A31 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A31)
-        b_A31 = b_A31 * b_beta3[:, None]
+        # one dot through G at block 1's last token: K_3 ⊙ exp(G - G_last) and K_1 ⊙ exp(G_last - G), both <= 1
+        b_A31 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C1[None, :]).to(tl.float32)), b_kdt1, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_32 = diag(β) K_3 diag(Γ_t/Γ_s) K_2^T
-        b_A32 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 2 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k2, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G2, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A32 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A32)
-        b_A32 = b_A32 * b_beta3[:, None]
+        # one dot through G at block 2's last token: K_3 ⊙ exp(G - G_last) and K_2 ⊙ exp(G_last - G), both <= 1
+        b_A32 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C2[None, :]).to(tl.float32)), b_kdt2, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_33 = diag(β) K_3 diag(Γ_t/Γ_s) K_3^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A33 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 3 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k3, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G3, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G3 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A33 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A33)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t3 & (o_j >= d)
+            b_W += tl.load(g + (o_tok3 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok3 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
         b_A33 = b_A33 * b_beta3[:, None]
         # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai33 = tl.where(m_eye, 1.0, 0.0)
@@ -852,54 +837,56 @@ def chunked_output_kernel(
         bos = i_n.to(tl.int64) * T
         T_seq = T
 
-    o_i = tl.arange(0, BT)
+    o_j = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tv = m_t[:, None] & m_v[None, :]
-    # [BT, BK] -> [BT, BF]
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
-    b_q = b_q * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
-    b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64), 1)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_t = tl.exp(b_Gt.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-    # column by column: a per-feature decay ratio does not factor into one tl.dot
-    b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    for s in range(0, BT):
-        m_s = o_i == s
-        # [BF] key s and its cumulative log decay
-        b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-        b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-        # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t >= s, 0 above
-        b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] >= s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-        b_P = tl.where(m_s[None, :], tl.sum(b_q * b_kd, 1)[:, None], b_P)
-    # [BT, BF] the queries read the chunk-start state through Γ_t
-    b_qg = b_q * b_gam
-    # [BF, BV] the chunk-start state (slot i_s)
+    # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
+    # block 0).
+    # With G the cumulative log decay from the block's start (G_t <= 0) and G_B the block's total:
+    #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
+    # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
+    # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
+    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
-    # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
-    b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-    tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    for i_b in range(0, BT // 16):
+        # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + i_b * 16 + o_j
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [16, BK] -> [16, BF] queries and keys
+        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+        b_q = b_q * scale
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t & (o_j >= d)
+            b_W += tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+        b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
+        # [16, BV] the values the block writes (chunked_states_kernel's U)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
+        # log decays, [BF] G_B
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+        b_gt = tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)
+        b_GB = tl.sum(b_gt, 1)
+        b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
+        b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 
 
 def chunked_dot_precision(dtype):
