@@ -830,22 +830,77 @@ def chunked_bwd_kernel(
         b_dkt_state = b_dkt_state * b_gam_rest_t
         # [BT, BF] K̂ ⊙ Γ_C/Γ
         b_k_rest = b_k * b_gam_rest
-        # inside the chunk, key column by key column: a per-feature decay ratio does not factor
-        # into one tl.dot. [BT, BT] P^T (its diagonal q̂_t.k̂_t first), and the pairs s < t of dq̂, dk̂^T
+        # inside the chunk, by 16-token blocks: [BT, BT] P^T (its diagonal q̂_t.k̂_t first) and the
+        # pairs s < t of dq̂, dk̂^T. A block's own pairs by offsets d = t - s (rows t: key s and
+        # W = G_t - G_s = g_{s+1} + .. + g_t; columns s of dk̂^T: query t = s + d and the same W), its
+        # pairs with the keys before it one dot each; every decay factor <= 1
         b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
         b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
-        for s in range(0, BT):
-            m_s = o_i == s
-            # [BF] key s and its cumulative log decay; [BT] dP[:, s]
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            b_dPs = tl.sum(tl.where(m_s[None, :], b_dP, 0.0), 1)
-            # [BT, BF] Γ_t/Γ_s on rows t > s, 0 on and above the diagonal
-            b_dec = tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_kd = b_ks[None, :] * b_dec
-            b_Pt = tl.where(m_s[:, None], b_Pt + tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
-            b_dq += b_dPs[:, None] * b_kd
-            b_dkt = tl.where(m_s[None, :], tl.sum(b_dPs[:, None] * b_q * b_dec, 0)[:, None], b_dkt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
+        b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_dt = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wt += tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64)
+            b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_qts = b_qts * scale
+            b_dkt += tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts * tl.exp(b_Wt.to(tl.float32))
         # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
         b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
         b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state

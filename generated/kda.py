@@ -1144,19 +1144,57 @@ def chunked_bwd_delta_kernel(
         b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
         b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
         b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BT] Ak [t, s] = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t) and P^T [s, t], key column by key
-        # column: a per-feature decay ratio does not factor into one tl.dot
+        # [BT, BT] Ak [t, s] = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t) and P^T [s, t] (its diagonal q̂_t.k̂_t
+        # first), by 16-token blocks: a block's own pairs by offsets d = t - s (key s and
+        # W = G_t - G_s = g_{s+1} + .. + g_t), its pairs with the keys before it one dot each
         b_Ak = tl.zeros([BT, BT], dtype=tl.float32)
         b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        for s in range(0, BT):
-            m_s = o_i == s
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 on and above the diagonal
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_col = tl.sum(b_k * b_kd, 1)
-            b_Ak = tl.where(m_s[None, :], b_col[:, None], b_Ak)
-            b_Pt = tl.where(m_s[:, None], b_Pt + tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_Ak = tl.where(m_band, tl.sum(b_k * b_kd, 1)[:, None], b_Ak)
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
         # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
         b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
         # [BF, BT] Y^T = (diag(β) (K̂ ⊙ Γ))^T and W^T = Y^T T^T; [BV, BT] X^T = (diag(β) V)^T and
@@ -1195,20 +1233,77 @@ def chunked_bwd_delta_kernel(
         # [BT, BF] dk̂ through Y, and [BT, BT] the gradient of Ak
         b_dkr = b_dyg * b_beta[:, None]
         b_dAk = b_dA * b_beta[:, None]
-        # the pairs s < t of P and Ak, key column by key column: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t),
-        # dk̂^T = Q̂^T dP + K̂^T dAk (columns s), each through the decay ratios
+        # the pairs s < t of P and Ak: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t), dk̂^T = Q̂^T dP + K̂^T dAk
+        # (columns s), through the decay ratios, by 16-token blocks as above: a block's own pairs by
+        # offsets d (rows t: key s = t - d; columns s: query and key t = s + d), its pairs with the
+        # keys before it one dot each
         b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
-        for s in range(0, BT):
-            m_s = o_i == s
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            b_dPs = tl.sum(tl.where(m_s[None, :], b_dP, 0.0), 1)
-            b_dAs = tl.sum(tl.where(m_s[None, :], b_dAk, 0.0), 1)
-            b_dec = tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_kd = b_ks[None, :] * b_dec
-            b_dq += b_dPs[:, None] * b_kd
-            b_dkr += b_dAs[:, None] * b_kd
-            b_dkt = tl.where(m_s[None, :], tl.sum((b_dPs[:, None] * b_q + b_dAs[:, None] * b_k) * b_dec, 0)[:, None], b_dkt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64)
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
+            b_dkr += tl.sum(tl.where(m_band, b_dAk, 0.0), 1)[:, None] * b_kd
+        b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_dt = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wt += tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64)
+            b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_qts = b_qts * tl.rsqrt(tl.sum(b_qts * b_qts, 0) + 1e-06)[None, :]
+            b_qts = b_qts * scale
+            b_kts = tl.load(k + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_kts = b_kts * tl.rsqrt(tl.sum(b_kts * b_kts, 0) + 1e-06)[None, :]
+            b_dkt += (tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts + tl.sum(tl.where(m_band, b_dAk, 0.0), 0)[None, :] * b_kts) * tl.exp(b_Wt.to(tl.float32))
         # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ (columns s of P and Ak; rows t of Y and
         # Ak; through the state); [NV, B * T * H] dP_tt
         tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
