@@ -390,8 +390,9 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      block [BF, BV] in registers): stores each chunk's start state S_c
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U (U = V); only matrix products run in this loop
 #   2. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
-#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t), a loop over key rows s,
-#      O = (Q ⊙ Γ) S_c + P U
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U; by 16-token blocks, P's pairs across blocks
+#      through the block-start states (the chunked form again, inside the chunk)
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features).
 # G [BT, BF] is the cumulative log decay inside the chunk, in float64: only exp of differences
@@ -534,54 +535,55 @@ def chunked_output_kernel(
         bos = i_n.to(tl.int64) * T
         T_seq = T
 
-    o_i = tl.arange(0, BT)
+    o_j = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tv = m_t[:, None] & m_v[None, :]
-    # [BT, BK] -> [BT, BF]
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    b_q = b_q * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-    b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_t = tl.exp(b_Gt.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-    # column by column: a per-feature decay ratio does not factor into one tl.dot
-    b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    for s in range(0, BT):
-        m_s = o_i == s
-        # [BF] key s and its cumulative log decay
-        b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-        b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-        # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t >= s, 0 above
-        b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] >= s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-        b_P = tl.where(m_s[None, :], tl.sum(b_q * b_kd, 1)[:, None], b_P)
-    # [BT, BF] the queries read the chunk-start state through Γ_t
-    b_qg = b_q * b_gam
-    # [BF, BV] the chunk-start state (slot i_s)
+    # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
+    # block 0).
+    # With G the cumulative log decay from the block's start (G_t <= 0) and G_B the block's total:
+    #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
+    # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
+    # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
+    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
-    # [BT, BV] the values the chunk writes
-    b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-    tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    for i_b in range(0, BT // 16):
+        # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + i_b * 16 + o_j
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [16, BK] -> [16, BF] queries and keys
+        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+        b_q = b_q * scale
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+        b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
+        # [16, BV] the values the block writes
+        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
+        # log decays, [BF] G_B
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+
+        b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
+        b_GB = tl.sum(b_gt, 1)
+        b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
+        b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 
 
 def chunked_dot_precision(dtype):
@@ -840,22 +842,77 @@ def chunked_bwd_kernel(
         b_dkt_state = b_dkt_state * b_gam_rest_t
         # [BT, BF] K̂ ⊙ Γ_C/Γ
         b_k_rest = b_k * b_gam_rest
-        # inside the chunk, key column by key column: a per-feature decay ratio does not factor
-        # into one tl.dot. [BT, BT] P^T (its diagonal q̂_t.k̂_t first), and the pairs s < t of dq̂, dk̂^T
+        # inside the chunk, by 16-token blocks: [BT, BT] P^T (its diagonal q̂_t.k̂_t first) and the
+        # pairs s < t of dq̂, dk̂^T. A block's own pairs by offsets d = t - s (rows t: key s and
+        # W = G_t - G_s = g_{s+1} + .. + g_t; columns s of dk̂^T: query t = s + d and the same W), its
+        # pairs with the keys before it one dot each; every decay factor <= 1
         b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
         b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
-        for s in range(0, BT):
-            m_s = o_i == s
-            # [BF] key s and its cumulative log decay; [BT] dP[:, s]
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            b_dPs = tl.sum(tl.where(m_s[None, :], b_dP, 0.0), 1)
-            # [BT, BF] Γ_t/Γ_s on rows t > s, 0 on and above the diagonal
-            b_dec = tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_kd = b_ks[None, :] * b_dec
-            b_Pt = tl.where(m_s[:, None], b_Pt + tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
-            b_dq += b_dPs[:, None] * b_kd
-            b_dkt = tl.where(m_s[None, :], tl.sum(b_dPs[:, None] * b_q * b_dec, 0)[:, None], b_dkt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_qrt = b_qt * b_eqt
+            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
+        b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_dt = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wt += floor_log_decay(tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64))
+            b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_qts = b_qts * scale
+            b_dkt += tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts * tl.exp(b_Wt.to(tl.float32))
         # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
         b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
         b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state

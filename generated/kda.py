@@ -443,8 +443,9 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop
 #   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
-#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t), a loop over key rows s,
-#      O = (Q ⊙ Γ) S_c + P U
+#      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
+#      O = (Q ⊙ Γ) S_c + P U; by 16-token blocks, P's pairs across blocks
+#      through the block-start states (the chunked form again, inside the chunk)
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features).
 # G [BT, BF] is the cumulative log decay inside the chunk, in float64: only exp of differences
@@ -534,22 +535,30 @@ def chunked_ut_kernel(
     # [16, BK] -> [16, BF]
     b_k0 = tl.load(k + o_tok0[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
+    # [BK, 16] -> [BF, 16] the keys transposed by the load
+    b_kt0 = tl.load(k + o_tok0[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+    b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
     # [16, BF] cumulative log decay from the chunk's start, float64
     b_g0 = floor_log_decay(tl.load(g + o_tok0[:, None] * K + o_f[None, :], mask=m_t0[:, None] & m_f[None, :], other=0.0).to(tl.float64))
     b_G0 = tl.cumsum(b_g0, 0) + b_carry[None, :]
     b_carry += tl.sum(b_g0, 0)
+    # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+    b_C0 = b_carry
+    # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+    b_gt0 = floor_log_decay(tl.load(g + o_tok0[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t0[None, :], other=0.0).to(tl.float64))
+    b_kdt0 = b_kt0 * tl.exp((tl.sum(b_gt0, 1)[:, None] - tl.cumsum(b_gt0, 1)).to(tl.float32))
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
+    # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
     b_A00 = tl.zeros([16, 16], dtype=tl.float32)
-    for s in range(0, 16):
-        m_s = o_j == s
-        # [BF] key s of block 0 and its cumulative log decay
-        b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-        b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-        # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-        b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G0 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-        b_A00 = tl.where(m_s[None, :], tl.sum(b_k0 * b_kd, 1)[:, None], b_A00)
+    b_W = tl.zeros([16, BF], dtype=tl.float64)
+    for d in range(1, 16):
+        m_d = m_t0 & (o_j >= d)
+        b_W += floor_log_decay(tl.load(g + (o_tok0 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+        b_ks = tl.load(k + (o_tok0 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+        b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
     b_A00 = b_A00 * b_beta0[:, None]
     # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
     b_Ai00 = tl.where(m_eye, 1.0, 0.0)
@@ -573,33 +582,33 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k1 = tl.load(k + o_tok1[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt1 = tl.load(k + o_tok1[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
+        b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g1 = floor_log_decay(tl.load(g + o_tok1[:, None] * K + o_f[None, :], mask=m_t1[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G1 = tl.cumsum(b_g1, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g1, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C1 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt1 = floor_log_decay(tl.load(g + o_tok1[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t1[None, :], other=0.0).to(tl.float64))
+        b_kdt1 = b_kt1 * tl.exp((tl.sum(b_gt1, 1)[:, None] - tl.cumsum(b_gt1, 1)).to(tl.float32))
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
-        b_A10 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G1 - b_Gs[None, :]).to(tl.float32))
-            b_A10 = tl.where(m_s[None, :], tl.sum(b_k1 * b_kd, 1)[:, None], b_A10)
-        b_A10 = b_A10 * b_beta1[:, None]
+        # one dot through G at block 0's last token: K_1 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A10 = chunked_dot(b_k1 * tl.exp((b_G1 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta1[:, None]
         # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A11 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G1 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A11 = tl.where(m_s[None, :], tl.sum(b_k1 * b_kd, 1)[:, None], b_A11)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t1 & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok1 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok1 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
         b_A11 = b_A11 * b_beta1[:, None]
         # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai11 = tl.where(m_eye, 1.0, 0.0)
@@ -624,44 +633,36 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k2 = tl.load(k + o_tok2[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt2 = tl.load(k + o_tok2[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
+        b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g2 = floor_log_decay(tl.load(g + o_tok2[:, None] * K + o_f[None, :], mask=m_t2[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G2 = tl.cumsum(b_g2, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g2, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C2 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt2 = floor_log_decay(tl.load(g + o_tok2[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t2[None, :], other=0.0).to(tl.float64))
+        b_kdt2 = b_kt2 * tl.exp((tl.sum(b_gt2, 1)[:, None] - tl.cumsum(b_gt2, 1)).to(tl.float32))
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
-        b_A20 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G2 - b_Gs[None, :]).to(tl.float32))
-            b_A20 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A20)
-        b_A20 = b_A20 * b_beta2[:, None]
+        # one dot through G at block 0's last token: K_2 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A20 = chunked_dot(b_k2 * tl.exp((b_G2 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_21 = diag(β) K_2 diag(Γ_t/Γ_s) K_1^T
-        b_A21 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G2 - b_Gs[None, :]).to(tl.float32))
-            b_A21 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A21)
-        b_A21 = b_A21 * b_beta2[:, None]
+        # one dot through G at block 1's last token: K_2 ⊙ exp(G - G_last) and K_1 ⊙ exp(G_last - G), both <= 1
+        b_A21 = chunked_dot(b_k2 * tl.exp((b_G2 - b_C1[None, :]).to(tl.float32)), b_kdt1, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_22 = diag(β) K_2 diag(Γ_t/Γ_s) K_2^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A22 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 2 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k2, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G2, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G2 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A22 = tl.where(m_s[None, :], tl.sum(b_k2 * b_kd, 1)[:, None], b_A22)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t2 & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok2 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok2 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
         b_A22 = b_A22 * b_beta2[:, None]
         # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai22 = tl.where(m_eye, 1.0, 0.0)
@@ -686,55 +687,39 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k3 = tl.load(k + o_tok3[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt3 = tl.load(k + o_tok3[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
+        b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start, float64
         b_g3 = floor_log_decay(tl.load(g + o_tok3[:, None] * K + o_f[None, :], mask=m_t3[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_G3 = tl.cumsum(b_g3, 0) + b_carry[None, :]
         b_carry += tl.sum(b_g3, 0)
+        # [BF] G at the block's last token: the reference of later blocks' pairs with this one
+        b_C3 = b_carry
+        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt3 = floor_log_decay(tl.load(g + o_tok3[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t3[None, :], other=0.0).to(tl.float64))
+        b_kdt3 = b_kt3 * tl.exp((tl.sum(b_gt3, 1)[:, None] - tl.cumsum(b_gt3, 1)).to(tl.float32))
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
-        b_A30 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 0 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k0, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G0, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A30 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A30)
-        b_A30 = b_A30 * b_beta3[:, None]
+        # one dot through G at block 0's last token: K_3 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
+        b_A30 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_31 = diag(β) K_3 diag(Γ_t/Γ_s) K_1^T
-        b_A31 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 1 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k1, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G1, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A31 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A31)
-        b_A31 = b_A31 * b_beta3[:, None]
+        # one dot through G at block 1's last token: K_3 ⊙ exp(G - G_last) and K_1 ⊙ exp(G_last - G), both <= 1
+        b_A31 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C1[None, :]).to(tl.float32)), b_kdt1, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_32 = diag(β) K_3 diag(Γ_t/Γ_s) K_2^T
-        b_A32 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 2 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k2, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G2, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s
-            b_kd = b_ks[None, :] * tl.exp((b_G3 - b_Gs[None, :]).to(tl.float32))
-            b_A32 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A32)
-        b_A32 = b_A32 * b_beta3[:, None]
+        # one dot through G at block 2's last token: K_3 ⊙ exp(G - G_last) and K_2 ⊙ exp(G_last - G), both <= 1
+        b_A32 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C2[None, :]).to(tl.float32)), b_kdt2, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_33 = diag(β) K_3 diag(Γ_t/Γ_s) K_3^T (s < t)
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
         b_A33 = tl.zeros([16, 16], dtype=tl.float32)
-        for s in range(0, 16):
-            m_s = o_j == s
-            # [BF] key s of block 3 and its cumulative log decay
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k3, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G3, 0.0), 0)
-            # [16, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 elsewhere
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_j[:, None] > s, (b_G3 - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_A33 = tl.where(m_s[None, :], tl.sum(b_k3 * b_kd, 1)[:, None], b_A33)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t3 & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok3 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok3 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
         b_A33 = b_A33 * b_beta3[:, None]
         # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai33 = tl.where(m_eye, 1.0, 0.0)
@@ -864,54 +849,56 @@ def chunked_output_kernel(
         bos = i_n.to(tl.int64) * T
         T_seq = T
 
-    o_i = tl.arange(0, BT)
+    o_j = tl.arange(0, 16)
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tv = m_t[:, None] & m_v[None, :]
-    # [BT, BK] -> [BT, BF]
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
-    b_q = b_q * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-    b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_t = tl.exp(b_Gt.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
-    # column by column: a per-feature decay ratio does not factor into one tl.dot
-    b_P = tl.zeros([BT, BT], dtype=tl.float32)
-    for s in range(0, BT):
-        m_s = o_i == s
-        # [BF] key s and its cumulative log decay
-        b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-        b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-        # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t >= s, 0 above
-        b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] >= s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-        b_P = tl.where(m_s[None, :], tl.sum(b_q * b_kd, 1)[:, None], b_P)
-    # [BT, BF] the queries read the chunk-start state through Γ_t
-    b_qg = b_q * b_gam
-    # [BF, BV] the chunk-start state (slot i_s)
+    # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
+    # block 0).
+    # With G the cumulative log decay from the block's start (G_t <= 0) and G_B the block's total:
+    #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
+    # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
+    # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
+    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
-    # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
-    b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-    tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    for i_b in range(0, BT // 16):
+        # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + i_b * 16 + o_j
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [16, BK] -> [16, BF] queries and keys
+        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+        b_q = b_q * scale
+        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+        b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
+        # [16, BV] the values the block writes (chunked_states_kernel's U)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
+        # log decays, [BF] G_B
+        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+        b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
+        b_GB = tl.sum(b_gt, 1)
+        b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
+        b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 
 
 def chunked_dot_precision(dtype):
@@ -1169,19 +1156,57 @@ def chunked_bwd_delta_kernel(
         b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
         b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
         b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BT] Ak [t, s] = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t) and P^T [s, t], key column by key
-        # column: a per-feature decay ratio does not factor into one tl.dot
+        # [BT, BT] Ak [t, s] = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t) and P^T [s, t] (its diagonal q̂_t.k̂_t
+        # first), by 16-token blocks: a block's own pairs by offsets d = t - s (key s and
+        # W = G_t - G_s = g_{s+1} + .. + g_t), its pairs with the keys before it one dot each
         b_Ak = tl.zeros([BT, BT], dtype=tl.float32)
         b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        for s in range(0, BT):
-            m_s = o_i == s
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            # [BT, BF] k_s ⊙ Γ_t/Γ_s on rows t > s, 0 on and above the diagonal
-            b_kd = b_ks[None, :] * tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_col = tl.sum(b_k * b_kd, 1)
-            b_Ak = tl.where(m_s[None, :], b_col[:, None], b_Ak)
-            b_Pt = tl.where(m_s[:, None], b_Pt + tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_Ak = chunked_dot(b_k * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
+            b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_Ak = tl.where(m_band, tl.sum(b_k * b_kd, 1)[:, None], b_Ak)
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
         # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
         b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
         # [BF, BT] Y^T = (diag(β) (K̂ ⊙ Γ))^T and W^T = Y^T T^T; [BV, BT] X^T = (diag(β) V)^T and
@@ -1220,20 +1245,77 @@ def chunked_bwd_delta_kernel(
         # [BT, BF] dk̂ through Y, and [BT, BT] the gradient of Ak
         b_dkr = b_dyg * b_beta[:, None]
         b_dAk = b_dA * b_beta[:, None]
-        # the pairs s < t of P and Ak, key column by key column: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t),
-        # dk̂^T = Q̂^T dP + K̂^T dAk (columns s), each through the decay ratios
+        # the pairs s < t of P and Ak: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t), dk̂^T = Q̂^T dP + K̂^T dAk
+        # (columns s), through the decay ratios, by 16-token blocks as above: a block's own pairs by
+        # offsets d (rows t: key s = t - d; columns s: query and key t = s + d), its pairs with the
+        # keys before it one dot each
         b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
-        for s in range(0, BT):
-            m_s = o_i == s
-            b_ks = tl.sum(tl.where(m_s[:, None], b_k, 0.0), 0)
-            b_Gs = tl.sum(tl.where(m_s[:, None], b_G, 0.0), 0)
-            b_dPs = tl.sum(tl.where(m_s[None, :], b_dP, 0.0), 1)
-            b_dAs = tl.sum(tl.where(m_s[None, :], b_dAk, 0.0), 1)
-            b_dec = tl.exp(tl.where(o_i[:, None] > s, (b_G - b_Gs[None, :]).to(tl.float32), float("-inf")))
-            b_kd = b_ks[None, :] * b_dec
-            b_dq += b_dPs[:, None] * b_kd
-            b_dkr += b_dAs[:, None] * b_kd
-            b_dkt = tl.where(m_s[None, :], tl.sum((b_dPs[:, None] * b_q + b_dAs[:, None] * b_k) * b_dec, 0)[:, None], b_dkt)
+        if BT > 16:
+            m_qi = (o_i >= 16) & (o_i < 32)
+            m_kb = o_i < 16
+            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        if BT > 32:
+            m_qi = (o_i >= 32) & (o_i < 48)
+            m_kb = o_i < 32
+            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        if BT > 48:
+            m_qi = (o_i >= 48) & (o_i < 64)
+            m_kb = o_i < 48
+            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+            b_kr = b_k * b_ek
+            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
+            b_dAki = tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0)
+            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
+            b_dkr += chunked_dot(b_dAki, b_kr, DOT_PRECISION) * b_eq
+            b_dkt += chunked_dot(b_kt * b_eqt, b_dAki, DOT_PRECISION, chunked_dot(b_qt * b_eqt, b_dPi, DOT_PRECISION)) * b_ekt
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
+            b_dkr += tl.sum(tl.where(m_band, b_dAk, 0.0), 1)[:, None] * b_kd
+        b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_dt = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wt += floor_log_decay(tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64))
+            b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_qts = b_qts * tl.rsqrt(tl.sum(b_qts * b_qts, 0) + 1e-06)[None, :]
+            b_qts = b_qts * scale
+            b_kts = tl.load(k + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+            b_kts = b_kts * tl.rsqrt(tl.sum(b_kts * b_kts, 0) + 1e-06)[None, :]
+            b_dkt += (tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts + tl.sum(tl.where(m_band, b_dAk, 0.0), 0)[None, :] * b_kts) * tl.exp(b_Wt.to(tl.float32))
         # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ (columns s of P and Ak; rows t of Y and
         # Ak; through the state); [NV, B * T * H] dP_tt
         tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])

@@ -126,6 +126,36 @@ def test_strong_decay(kernel_backward, name, seed):
           chunk=64, seed=seed, decay_strength=20)
 
 
+def mixed_vector_gates(shape: Shape, seed: int) -> torch.Tensor:
+    """Vector log decays g [B, T, H, K]: per feature lane, gates near 0 (-1e-3 .. 0), gates down to
+    -50 per token, or a mix of both token by token. Over a 64-token chunk a strong lane's cumulative
+    log decay reaches about -1600: exp(-G) overflows float32 beyond -88."""
+    gen = torch.Generator().manual_seed(seed)
+    size = (shape.batch, shape.q_len, shape.heads, shape.head_dim)
+    strong_share = torch.tensor([0.0, 1.0, 0.5], dtype=torch.float64).repeat(shape.head_dim)[:shape.head_dim]
+    strong = torch.rand(size, generator=gen, dtype=torch.float64) < strong_share
+    depth = torch.rand(size, generator=gen, dtype=torch.float64)
+    return torch.where(strong, -50.0 * depth, -1e-3 * depth)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["gla", "kda"])
+def test_strong_vector_decay(kernel_backward, name, dtype, chunk):
+    """Vector decays mixing near-0 and very strong gates (down to -50 per token), T not a multiple of
+    the chunk: outputs, final state and every gradient finite (rel_error is inf otherwise) and
+    within tolerance of the oracle, at chunks of 16, 32 and 64 tokens (the backward's at most 32)."""
+    op, calls = kernel_backward(SPECS[name])
+    shape = Shape(batch=1, q_len=100, heads=2, head_dim=12, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=chunk)
+    inputs["g"] = mixed_vector_gates(shape, seed=chunk)
+    assert float(inputs["g"].min()) < -45 and float(inputs["g"].max()) > -1e-4
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=chunk), inputs, dtype)
+    assert calls
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} chunk {chunk} {dtype}:\n" + "\n".join(failures)
+
+
 @pytest.mark.parametrize("name", ["linear_transformer", "mamba2", "gla_sum", "gated_deltanet"])
 def test_loss_on_output_only(kernel_backward, name):
     """No loss reaches the final state (dht is None): the state gradient starts from zero."""
