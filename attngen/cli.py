@@ -1,35 +1,38 @@
-"""attngen's command line: explain, check, compile."""
+"""attngen's command line: explain, check, compile.
+
+torch, sympy and jinja are imported inside the commands, not here: `attngen --help` and
+`attngen --version` stay fast (importing torch alone takes seconds)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 
-import torch
+from . import __version__
+from .spec import SpecError
 
-from . import planner
-from .inputs import check_linear, check_softmax
-from .runtime import load
-from .spec import SpecError, load_spec
-from .testing import Shape, compare, random_inputs
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
-def _shape(text: str) -> Shape:
+def _shape(text: str) -> tuple[int, int, int, int, int]:
+    """B,T,H,K,V as five positive integers (a testing.Shape inside the commands)."""
     try:
         B, T, H, K, V = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--shape: expected B,T,H,K,V (five integers), got {text!r}") from None
     if min(B, T, H, K, V) < 1:
         raise argparse.ArgumentTypeError(f"--shape: every size must be >= 1, got {text!r}")
-    return Shape(B, T, H, K, V)
+    return B, T, H, K, V
 
 
 def cmd_explain(args) -> int:
+    from . import planner
+    from .inputs import check_linear, check_softmax
+    from .runtime import load
+    from .testing import Shape, random_inputs
     op = load(args.spec)
     print(planner.explain(op.plan))
-    shape = args.shape
+    shape = Shape(*args.shape)
     inputs = random_inputs(op.spec, shape, initial_state=False)
     if op.spec.is_linear:
         call = check_linear(op.spec, inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("beta"))
@@ -52,9 +55,14 @@ def _variants(op):
 
 
 def cmd_check(args) -> int:
-    dtype = DTYPES[args.dtype]
-    shapes = [args.shape, Shape(1, args.shape.q_len * 2 + 1, args.shape.heads, args.shape.head_dim,
-                                args.shape.value_dim, cu_seqlens=(0, 5, args.shape.q_len + 3, args.shape.q_len * 2 + 1))]
+    import torch
+
+    from .runtime import load
+    from .testing import Shape, compare, random_inputs
+    dtype = getattr(torch, args.dtype)
+    shape = Shape(*args.shape)
+    shapes = [shape, Shape(1, shape.q_len * 2 + 1, shape.heads, shape.head_dim, shape.value_dim,
+                           cu_seqlens=(0, 5, shape.q_len + 3, shape.q_len * 2 + 1))]
     header = f"{'spec':<24s} {'form':<10s} {'chunk':>5s} {'shape':<12s} {'worst':<16s} {'rel err':>9s} {'tol':>9s}  result"
     print(header)
     print("-" * len(header))
@@ -78,7 +86,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from . import codegen  # jinja and sympy only when generating
+    from . import codegen, planner
+    from .spec import load_spec
     for path in args.specs:
         spec = load_spec(path)
         out = codegen.compile_to(spec, args.output)
@@ -89,17 +98,18 @@ def cmd_compile(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngen", description="A compiler for attention kernels.")
+    parser.add_argument("--version", action="version", version=f"attngen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("explain", help="semantics, legal forms, stage DAGs, and the form chosen for a shape")
     p.add_argument("spec", type=Path)
-    p.add_argument("--shape", type=_shape, default=Shape(1, 4096, 16, 128, 128), help="B,T,H,K,V")
+    p.add_argument("--shape", type=_shape, default="1,4096,16,128,128", help="B,T,H,K,V")
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("check", help="every form of every spec against the interpreter")
     p.add_argument("specs", type=Path, nargs="+")
-    p.add_argument("--dtype", choices=list(DTYPES), default="float64")
-    p.add_argument("--shape", type=_shape, default=Shape(2, 50, 2, 8, 6), help="B,T,H,K,V")
+    p.add_argument("--dtype", choices=DTYPES, default="float64")
+    p.add_argument("--shape", type=_shape, default="2,50,2,8,6", help="B,T,H,K,V")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-grad", action="store_true", help="outputs only")
     p.set_defaults(fn=cmd_check)
