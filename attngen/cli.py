@@ -124,7 +124,8 @@ def cmd_check(args) -> int:
                 worst, err, tol = max(rows, key=lambda r: r[1] / r[2])
                 ok = all(e <= t for _, e, t in rows)
                 failures += not ok
-                print(f"{prefix} {runs:<22s} {label:<12s} {worst:<16s} {err:9.2e} {tol:9.2e}  {'pass' if ok else 'FAIL'}")
+                print(f"{prefix} {runs:<22s} {label:<12s} {worst:<16s} {err:9.2e} {tol:9.2e}  "
+                      f"{'pass' if ok else 'FAIL'}")
     what = "outputs only" if args.no_grad else "outputs, final states and gradients"
     print(f"\n{'all pass' if not failures else f'{failures} FAILED'} ({rows_run} rows of {len(args.specs)} specs, "
           f"{', '.join(sorted(dtypes)) or 'no dtype'}, {what})")
