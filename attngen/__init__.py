@@ -1,8 +1,21 @@
 """attngen: a compiler for attention kernels. See README.md."""
 __version__ = "0.1.0"
 
-from .runtime import Op, load
 from .spec import Spec, SpecError, load_spec
-from .reference import reference
 
-__all__ = ["Op", "Spec", "SpecError", "load", "load_spec", "reference", "__version__"]
+__all__ = ["Op", "Spec", "SpecError", "load", "load_spec", "__version__"]
+
+# The op needs torch, whose import takes seconds: it is imported on first use, so that
+# `import attngen` (and `attngen --help`) stays cheap. The interpreter is the submodule
+# attngen.reference (its function attngen.reference.reference); the package no longer binds
+# the function over the module's name, which made `from . import reference` ambiguous.
+_LAZY = {"Op": "runtime", "load": "runtime"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'attngen' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value

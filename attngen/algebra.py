@@ -13,6 +13,8 @@ from functools import lru_cache
 import sympy as sp
 from sympy.printing.str import StrPrinter
 
+from .spec import show_value
+
 x = sp.Symbol("x", real=True)
 
 # Functions a feature expression may use: name in the spec -> sympy object.
@@ -38,10 +40,36 @@ _ALLOWED_TEXT = "a sympy expression in x using + - * / ** and " + ", ".join(
     sorted({"exp", "log", "sqrt", "tanh", "sin", "cos", "sinh", "cosh", "Abs", "Max", "Min", "Piecewise"}))
 
 
+# Bounds on a user expression, so that parsing, checking, differentiating and printing it stay
+# fast and within Python's recursion limit (sympy recurses once per level of the tree): the
+# raw text, its parenthesis nesting, and the parsed tree's depth and node count.
+MAX_EXPR_CHARS = 1000
+MAX_EXPR_DEPTH = 32
+MAX_EXPR_NODES = 500
+# Max and Min compare their arguments pairwise as they are built, and differentiate into a
+# term per argument holding the Max of the others, which nesting repeats (a Max of 20 terms
+# takes 12 s; Max and Min of 8 terms nested 8 deep, minutes): at most this many arguments of
+# Max and Min in the whole expression.
+MAX_MINMAX_ARGS = 16
+# piecewise_fold multiplies out the pieces of every Piecewise it meets (a product of n two-piece
+# maps differentiates into n^2 Piecewise nodes, whose fold takes exponential time): fold only
+# when the pieces it could create number at most this many.
+MAX_FOLDED_PIECES = 16
+
+
 def parse_feature_expr(text: str) -> sp.Expr:
     """Parse and check a user feature map; ValueError names the value and what is allowed."""
     if not text.strip():
         raise ValueError(f"value {text!r} is not allowed; allowed: {_ALLOWED_TEXT}")
+    if len(text) > MAX_EXPR_CHARS:
+        raise ValueError(f"value {show_value(text)} is longer than {MAX_EXPR_CHARS} characters; allowed: "
+                         f"{_ALLOWED_TEXT}, at most {MAX_EXPR_CHARS} characters")
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth > MAX_EXPR_DEPTH:
+            raise ValueError(f"value {show_value(text)} nests parentheses more than {MAX_EXPR_DEPTH} deep; allowed: "
+                             f"{_ALLOWED_TEXT}, nested at most {MAX_EXPR_DEPTH} deep")
     if not _SAFE_CHARS.match(text) or "__" in text or re.search(r"(?<![0-9])\.|\.(?![0-9])", text):
         raise ValueError(f"value {text!r} has characters outside an arithmetic expression; allowed: {_ALLOWED_TEXT}")
     for name in _IDENT.findall(text):
@@ -50,7 +78,11 @@ def parse_feature_expr(text: str) -> sp.Expr:
     from sympy.parsing.sympy_parser import parse_expr, standard_transformations
     try:
         kwargs = {"global_dict": _parser_globals(), "transformations": standard_transformations}
-        # Check the unevaluated tree first: evaluating 9**9**9 would not finish.
+        # The shape of the expression first, with every function an inert placeholder: sympy
+        # works as it builds (Max compares its arguments pairwise), and the shape's size bounds
+        # the work of everything after.
+        _check_size(parse_expr(text, local_dict=_placeholders(), evaluate=False, **kwargs), text)
+        # The unevaluated tree next: evaluating 9**9**9 would not finish.
         _check_constant_powers(parse_expr(text, local_dict=dict(_ALLOWED_NAMES), evaluate=False, **kwargs), text)
         expr = parse_expr(text, local_dict=dict(_ALLOWED_NAMES), evaluate=True, **kwargs)
     except _TooLarge as e:
@@ -76,11 +108,50 @@ def parse_feature_expr(text: str) -> sp.Expr:
             triton_source(e)
     except ValueError as err:
         raise ValueError(f"value {text!r} cannot be compiled ({err}); allowed: {_ALLOWED_TEXT}") from None
+    except RecursionError:  # the bounds above should keep it from happening; never a traceback
+        raise ValueError(f"value {show_value(text)} is too deeply nested to compile; allowed: {_ALLOWED_TEXT}, "
+                         f"nested at most {MAX_EXPR_DEPTH} deep") from None
     return expr
 
 
 class _TooLarge(Exception):
     pass
+
+
+@lru_cache(maxsize=1)
+def _placeholder_functions() -> dict:
+    """Each allowed function name -> an undefined sympy function of the same name, which builds
+    a tree node and does nothing else."""
+    return {name: sp.Function(getattr(fn, "__name__", name)) for name, fn in ALLOWED_FUNCTIONS.items()}
+
+
+def _placeholders() -> dict:
+    return {**_ALLOWED_NAMES, **_placeholder_functions()}
+
+
+def _check_size(tree, text: str) -> None:
+    """Refuse a tree deeper than MAX_EXPR_DEPTH, larger than MAX_EXPR_NODES, or with more than
+    MAX_MINMAX_ARGS arguments of Max and Min (walked without recursion, so the check itself
+    cannot overflow the stack)."""
+    if not isinstance(tree, sp.Basic):
+        return
+    stack, nodes, minmax_args = [(tree, 1)], 0, 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_EXPR_DEPTH:
+            raise _TooLarge(f"value {show_value(text)} is nested more than {MAX_EXPR_DEPTH} levels deep; allowed: "
+                            f"{_ALLOWED_TEXT}, nested at most {MAX_EXPR_DEPTH} levels deep")
+        if nodes > MAX_EXPR_NODES:
+            raise _TooLarge(f"value {show_value(text)} has more than {MAX_EXPR_NODES} terms; allowed: "
+                            f"{_ALLOWED_TEXT}, of at most {MAX_EXPR_NODES} terms")
+        if getattr(node.func, "__name__", "") in ("Max", "Min"):
+            minmax_args += len(node.args)
+            if minmax_args > MAX_MINMAX_ARGS:
+                raise _TooLarge(f"value {show_value(text)} has more than {MAX_MINMAX_ARGS} arguments of Max and Min; "
+                                f"allowed: {_ALLOWED_TEXT}, with at most {MAX_MINMAX_ARGS} arguments of Max and "
+                                "Min in all")
+        stack.extend((arg, depth + 1) for arg in node.args)
 
 
 _MAX_CONSTANT_EXPONENT = 1024
@@ -117,8 +188,17 @@ def feature_expr(feature_map: str, feature_expr_text: str | None = None) -> sp.E
 
 
 def derivative(expr: sp.Expr) -> sp.Expr:
-    """d phi / dx, with Piecewise kept piecewise (the printers handle it)."""
-    return sp.piecewise_fold(sp.diff(expr, x))
+    """d phi / dx. Piecewise factors are folded into one Piecewise when that is cheap
+    (MAX_FOLDED_PIECES); otherwise they stay where they are: the printers print a Piecewise
+    anywhere in an expression."""
+    d = sp.diff(expr, x)
+    pieces = 1
+    for node in sp.preorder_traversal(d):
+        if isinstance(node, sp.Piecewise):
+            pieces *= len(node.args)
+            if pieces > MAX_FOLDED_PIECES:
+                return d
+    return sp.piecewise_fold(d)
 
 
 # --------------------------------------------------------------------------- printers

@@ -79,7 +79,7 @@ class Op:
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
         cu_seqlens = packed_offsets(cu_seqlens)
         choice = self.choose(call, form, chunk_size)
-        if _use_kernels(q):
+        if _use_kernels(self.spec, q):
             return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
         return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
@@ -175,22 +175,50 @@ def kernel_form(spec: Spec, choice: planner.Choice, call: Call) -> tuple[str, in
     return choice.form, choice.chunk
 
 
+def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str) -> str:
+    """What a call runs, in words: the PyTorch form (and chunk), or the kernel serving its form."""
+    if backend_name == "torch":
+        return f"{choice.form} C={choice.chunk}" if choice.form == "chunked" else choice.form
+    if not spec.is_linear:
+        return "softmax kernel"
+    if spec.mask == "bidirectional":
+        return "bidirectional kernel"
+    form, chunk = kernel_form(spec, choice, call)
+    return f"{form} kernel C={chunk}" if form == "chunked" else f"{form} kernel"
+
+
 def _kernels_possible() -> bool:
     mode = backend()
     return mode == "triton" or (mode == "auto" and torch.cuda.is_available())
 
 
-def _use_kernels(q: torch.Tensor) -> bool:
-    """auto: kernels on a GPU; triton: kernels always (on the CPU through TRITON_INTERPRET=1)."""
+# Why float64 inputs of linear specs run the PyTorch forms on every backend.
+FLOAT64_REASON = ("float64 inputs of linear attention run the PyTorch forms: the linear kernels compute in "
+                  "float32, and float64 is the interpreter's precision")
+
+
+def route(spec: Spec, device_type: str, dtype: torch.dtype) -> tuple[str, str]:
+    """("triton" | "torch", why): where a call of `spec` with q of `dtype` on a `device_type`
+    device runs; Op.__call__ follows it. auto: the kernels on CUDA, the PyTorch forms elsewhere;
+    triton: the kernels (on the CPU through TRITON_INTERPRET=1); torch: the PyTorch forms. On
+    every backend, float64 inputs of linear specs run the PyTorch forms (FLOAT64_REASON); the
+    softmax kernels accumulate float64 inputs in float64 and run them."""
     mode = backend()
     if mode == "torch":
-        return False
-    if mode == "triton":
-        if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("ATTNGEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
-                             "(Triton's interpreter); or use ATTNGEN_BACKEND=torch")
-        return True
-    return q.device.type == "cuda"
+        return "torch", "ATTNGEN_BACKEND=torch"
+    if mode == "auto" and device_type != "cuda":
+        return "torch", f"ATTNGEN_BACKEND=auto: the kernels run on CUDA tensors, these are {device_type}"
+    if mode == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("ATTNGEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                         "(Triton's interpreter); or use ATTNGEN_BACKEND=torch")
+    if dtype == torch.float64 and spec.is_linear:
+        return "torch", FLOAT64_REASON
+    where = "Triton's interpreter on the CPU" if device_type == "cpu" else f"{device_type} tensors"
+    return "triton", f"ATTNGEN_BACKEND={mode}, {where}"
+
+
+def _use_kernels(spec: Spec, q: torch.Tensor) -> bool:
+    return route(spec, q.device.type, q.dtype)[0] == "triton"
 
 
 # Held while a module's autograd is attached, so that threads creating ops of one spec at once

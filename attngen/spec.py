@@ -7,9 +7,11 @@ naming the file, the line, the field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -18,9 +20,6 @@ from typing import Any, Mapping
 import yaml
 
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
-# torch.Generator.manual_seed takes at most an unsigned 64-bit seed.
-_SEED_MAX = 2**64 - 1
-_MAX_NODES = 10_000
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -150,12 +149,13 @@ def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
                         "the spec must be a mapping of fields (name: ..., attention: ...)")
     # Aliases share nodes, so a few anchors can expand to billions of nodes (and to values whose
     # walk, repr or comparison never ends): bound the expanded size first.
+    max_nodes = schema()["limits"]["yaml_nodes"]
     stack, size = [node], 0
     while stack:
         n = stack.pop()
         size += 1
-        if size > _MAX_NODES:
-            raise SpecError(source, None, None, f"the spec expands to more than {_MAX_NODES} YAML nodes "
+        if size > max_nodes:
+            raise SpecError(source, None, None, f"the spec expands to more than {max_nodes} YAML nodes "
                                                 "(through aliases); a spec is a small mapping of fields")
         if isinstance(n, yaml.SequenceNode):
             stack.extend(n.value)
@@ -222,11 +222,36 @@ def _is_finite(x: float) -> bool:
         return False
 
 
+def show_value(value: Any) -> str:
+    """A value for an error message: its repr, cut when long, with its length."""
+    text = repr(value)
+    if len(text) <= 80:
+        return text
+    return f"{text[:60]}... ({len(value) if isinstance(value, str) else len(text)} characters)"
+
+
+def _did_you_mean(value: Any, options) -> str:
+    """' did you mean 'x'?' for a misspelt word close to one of `options`, else ''."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(o) for o in options], n=1, cutoff=0.6)
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
 def _choice(loc: _Located, data: Mapping[str, Any], field: str, allowed: list[str]) -> str:
     info = schema()["fields"][field]
     value = data.get(field, info.get("default"))
     if not isinstance(value, str) or value not in allowed:
-        raise loc.error(field, f"value {value!r} is not allowed; allowed: {', '.join(allowed)}")
+        raise loc.error(field, f"value {show_value(value)} is not allowed;{_did_you_mean(value, allowed)} "
+                               f"allowed: {', '.join(allowed)}")
+    return value
+
+
+def _bounded_int(loc: _Located, field: str, value: Any, info: Mapping[str, Any]) -> int:
+    """An integer within the schema's [min, max] for `field`."""
+    lo, hi = info["min"], info["max"]
+    if not _is_int(value) or not lo <= value <= hi:
+        raise loc.error(field, f"value {show_value(value)} is not allowed; allowed: an integer from {lo} to {hi}")
     return value
 
 
@@ -236,14 +261,16 @@ def _validate(data: Any, loc: _Located) -> Spec:
         raise loc.error(None, f"the spec must be a mapping of fields, got {type(data).__name__}")
     for key in data:
         if key not in fields:
-            raise loc.error(str(key), f"unknown field {key!r}; allowed fields: {', '.join(fields)}")
+            raise loc.error(str(key), f"unknown field {show_value(key)};{_did_you_mean(key, fields)} "
+                                      f"allowed fields: {', '.join(fields)}")
     for key in ("name", "attention"):
         if key not in data:
             raise loc.error(key, f"is required (allowed: {_allowed_text(key)})")
 
-    name = data["name"]
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise loc.error("name", f"value {name!r} is not allowed; allowed: a word matching [a-z][a-z0-9_]*")
+    name, max_len = data["name"], fields["name"]["max_length"]
+    if not isinstance(name, str) or not _NAME_RE.match(name) or len(name) > max_len:
+        raise loc.error("name", f"value {show_value(name)} is not allowed; allowed: a word matching "
+                                f"{fields['name']['pattern']} of at most {max_len} characters")
     attention = _choice(loc, data, "attention", fields["attention"]["allowed"])
     linear = attention == "linear"
 
@@ -270,11 +297,15 @@ def _validate(data: Any, loc: _Located) -> Spec:
                 parse_feature_expr(expr)
             except ValueError as e:
                 raise loc.error("feature_map.expr", str(e)) from None
+            except RecursionError:  # parse_feature_expr bounds the nesting; never a traceback
+                raise loc.error("feature_map.expr", f"value {show_value(expr)} is too deeply nested; allowed: a "
+                                                    "sympy expression in x of bounded nesting") from None
             feature_map, feature_expr = "expr", expr
         else:
             allowed = [a for a in fields["feature_map"]["allowed"] if not a.startswith("{")]
             if not isinstance(fm, str) or fm not in allowed:
-                raise loc.error("feature_map", f"value {fm!r} is not allowed; allowed: {', '.join(allowed)}, "
+                raise loc.error("feature_map", f"value {show_value(fm)} is not allowed;{_did_you_mean(fm, allowed)} "
+                                               f"allowed: {', '.join(allowed)}, "
                                                "or {expr: \"<sympy expression in x>\"}")
             feature_map = fm
 
@@ -291,19 +322,14 @@ def _validate(data: Any, loc: _Located) -> Spec:
         sub = fields["favor_plus"]["fields"]
         for key in raw:
             if key not in sub:
-                raise loc.error(f"favor_plus.{key}", f"unknown field {key!r}; allowed fields: {', '.join(sub)}")
-        feats = raw.get("features", sub["features"]["default"])
-        if not _is_int(feats) or not sub["features"]["min"] <= feats <= sub["features"]["max"]:
-            raise loc.error("favor_plus.features", f"value {feats!r} is not allowed; allowed: an integer from "
-                                                   f"{sub['features']['min']} to {sub['features']['max']}")
+                raise loc.error(f"favor_plus.{key}", f"unknown field {show_value(key)};{_did_you_mean(key, sub)} "
+                                                     f"allowed fields: {', '.join(sub)}")
+        feats = _bounded_int(loc, "favor_plus.features", raw.get("features", sub["features"]["default"]),
+                             sub["features"])
         orth = raw.get("orthogonal", sub["orthogonal"]["default"])
         if not isinstance(orth, bool):
-            raise loc.error("favor_plus.orthogonal", f"value {orth!r} is not allowed; allowed: true, false")
-        seed = raw.get("seed", sub["seed"]["default"])
-        seed_max = sub["seed"].get("max", _SEED_MAX)
-        if not _is_int(seed) or not 0 <= seed <= seed_max:
-            raise loc.error("favor_plus.seed", f"value {seed!r} is not allowed; allowed: an integer "
-                                               f"from 0 to {seed_max}")
+            raise loc.error("favor_plus.orthogonal", f"value {show_value(orth)} is not allowed; allowed: true, false")
+        seed = _bounded_int(loc, "favor_plus.seed", raw.get("seed", sub["seed"]["default"]), sub["seed"])
         favor = FavorPlus(feats, orth, seed)
 
     qk_norm = _choice(loc, data, "qk_norm", fields["qk_norm"]["allowed"]) if linear else "none"
@@ -315,9 +341,9 @@ def _validate(data: Any, loc: _Located) -> Spec:
     window = data.get("window")
     if mask == "sliding_window":
         if window is None:
-            raise loc.error("window", "is required with mask: sliding_window (allowed: an integer >= 1)", at="mask")
-        if not _is_int(window) or window < 1:
-            raise loc.error("window", f"value {window!r} is not allowed; allowed: an integer >= 1")
+            raise loc.error("window", f"is required with mask: sliding_window (allowed: an integer from "
+                                      f"{fields['window']['min']} to {fields['window']['max']})", at="mask")
+        _bounded_int(loc, "window", window, fields["window"])
     elif "window" in data:
         raise loc.error("window", f"value {window!r} is only allowed with mask: sliding_window (mask is {mask!r})")
 
@@ -365,11 +391,22 @@ def _allowed_text(field: str) -> str:
 # --------------------------------------------------------------------------- entry points
 
 def parse_spec(text: str, source: str = "<string>") -> Spec:
+    limit, size = schema()["limits"]["spec_bytes"], len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:  # refused before parsing: PyYAML takes minutes over tens of megabytes
+        raise SpecError(source, None, None, f"the spec text is {size} bytes; a spec is at most {limit} bytes")
     try:
         data, loc = _compose(text, source)
     except RecursionError:  # PyYAML composes nested collections recursively
         raise SpecError(source, None, None, "malformed YAML: collections are nested too deeply") from None
-    return _validate(data, loc)
+    return _validated(data, loc)
+
+
+def _validated(data: Any, loc: _Located) -> Spec:
+    try:
+        return _validate(data, loc)
+    except RecursionError:  # e.g. a value nested too deeply to print; never a traceback
+        raise SpecError(loc.source, None, None, "the spec is nested too deeply to check; a spec is a small "
+                                                "mapping of fields") from None
 
 
 def load_spec(spec: str | Path | Mapping[str, Any] | Spec) -> Spec:
@@ -377,17 +414,27 @@ def load_spec(spec: str | Path | Mapping[str, Any] | Spec) -> Spec:
     if isinstance(spec, Spec):
         return spec
     if isinstance(spec, Mapping):
-        return _validate(dict(spec), _Located("<dict>"))
+        return _validated(dict(spec), _Located("<dict>"))
     if isinstance(spec, (str, Path)):
         path = Path(spec)
+        limit = schema()["limits"]["spec_bytes"]
         try:
-            text = path.read_text()
+            # At most the limit and one byte are read: a huge file (or a device such as
+            # /dev/zero, whose size says 0) is refused before parsing.
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                blob = f.read(limit + 1) if size <= limit else b""
         except OSError as e:
             raise SpecError(str(path), None, None, f"cannot read the spec file: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise SpecError(str(path), None, None, "the spec file is not UTF-8 text") from None
         except ValueError as e:  # e.g. a path holding a NUL byte
             raise SpecError(repr(str(path)), None, None, f"cannot read the spec file: {e}") from None
+        if size > limit or len(blob) > limit:
+            shown = f"{size} bytes" if size > limit else f"more than {limit} bytes"
+            raise SpecError(str(path), None, None, f"the spec file is {shown}; a spec is at most {limit} bytes")
+        try:
+            text = blob.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SpecError(str(path), None, None, "the spec file is not UTF-8 text") from None
         return parse_spec(text, str(path))
     raise SpecError("<argument>", None, None,
                     f"expected a path to a YAML file, a dict or a Spec, got {type(spec).__name__}")

@@ -89,7 +89,7 @@ def main():
     JITFunction.run, JITFunction._do_compile = compile_only, timed
     driver.set_active(Sm90Driver())
     os.environ["ATTNGEN_BACKEND"] = "triton"
-    attngen.runtime._use_kernels = lambda q: True   # the kernels, on CPU tensors, without the interpreter
+    attngen.runtime._use_kernels = lambda spec, q: True   # the kernels, on CPU tensors, without the interpreter
 
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import attngen
 from attngen import codegen
 from attngen.reference import reference
-from attngen.testing import Shape, compare, random_inputs, rel_error
+from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
 from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
 
@@ -201,8 +201,9 @@ def test_every_gradient_element_written(kernel_backward, name, monkeypatch):
     assert not failures, "\n".join(failures)
 
 
-def test_float64_inputs(kernel_backward):
-    """float64 inputs (computed in float32): gradients come back float64, float32-accurate."""
+def test_float64_inputs_run_the_pytorch_forms(kernel_backward):
+    """float64 inputs run the PyTorch forms, forward and backward (the kernels compute in
+    float32): gradients to the float64 tolerance, and the backward kernel never runs."""
     op, calls = kernel_backward(SPECS["expr_map"])
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=23, heads=1, head_dim=8, value_dim=6))
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
@@ -211,10 +212,10 @@ def test_float64_inputs(kernel_backward):
     ref = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
     ref_o, ref_ht = reference(op.spec, **ref, output_final_state=True)
     (ref_o.sum() + ref_ht.sum()).backward()
-    assert calls
+    assert not calls
     for n, leaf in leaves.items():
         assert leaf.grad.dtype == torch.float64
-        assert rel_error(leaf.grad, ref[n].grad) < 1e-5, n
+        assert rel_error(leaf.grad, ref[n].grad) < FLOAT64_RTOL, n
 
 
 def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backward):

@@ -313,6 +313,31 @@ def test_backend_env_torch_and_auto_run(monkeypatch, value):
     assert torch.equal(got, want)
 
 
+def test_route_float64_inputs(monkeypatch):
+    """One contract on every backend: float64 inputs of linear specs run the PyTorch forms (the
+    linear kernels compute in float32), with the reason; the softmax kernels accumulate float64
+    in float64 and keep them; other dtypes follow ATTNGEN_BACKEND."""
+    from attngen.runtime import FLOAT64_REASON, route
+    linear, softmax = attngen.load_spec("specs/gla.yaml"), attngen.load_spec("specs/softmax_causal.yaml")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    for device in ("cpu", "cuda"):
+        assert route(linear, device, torch.float64) == ("torch", FLOAT64_REASON)
+        assert route(softmax, device, torch.float64)[0] == "triton"
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert route(linear, device, dtype)[0] == "triton"
+    monkeypatch.setenv("ATTNGEN_BACKEND", "auto")
+    assert route(linear, "cuda", torch.float32)[0] == "triton"
+    assert route(linear, "cuda", torch.float64) == ("torch", FLOAT64_REASON)
+    assert route(linear, "cpu", torch.float32)[0] == "torch"
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    assert route(softmax, "cuda", torch.float32) == ("torch", "ATTNGEN_BACKEND=torch")
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"ATTNGEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1"):
+        route(linear, "cpu", torch.float32)
+
+
 # --------------------------------------------------------------------------- dtypes
 
 LOWP_SPECS = ["gated_deltanet", "gla", "linear_transformer", "performer", "retnet", "softmax_causal",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,6 +225,19 @@ BAD = [
     ("top_level_list", y("- name: a", "- attention: linear"), None, None, 1),
     ("top_level_scalar", y("linear attention please"), None, None, 1),
     ("deep_nesting", "name: " + "[" * 3000 + "]" * 3000 + "\nattention: linear\n", None, None, None),
+    # bounds on sizes and integers (the limits are in the messages)
+    ("name_too_long", y("name: " + "a" * 300, "attention: linear"), "name", "(300 characters)", 1),
+    ("window_int32", y(*SOFT, "mask: sliding_window", "window: 2147483648"), "window", "2147483648", 4),
+    ("window_over_max", y(*SOFT, "mask: sliding_window", "window: 1073741825"), "window", "1073741825", 4),
+    ("expr_nested_exp", y(*EXPR, "  expr: " + "exp(" * 150 + "x" + ")" * 150), "feature_map.expr",
+     "(751 characters)", 4),
+    ("expr_deep_tree", y(*EXPR, "  expr: x" + "**x" * 40), "feature_map.expr", "(121 characters)", 4),
+    ("expr_too_long", y(*EXPR, "  expr: " + "x+" * 600 + "x"), "feature_map.expr", "(1201 characters)", 4),
+    ("expr_too_many_terms", y(*EXPR, "  expr: " + "+".join(["x*x"] * 200)), "feature_map.expr",
+     "(799 characters)", 4),
+    ("expr_wide_max", y(*EXPR, "  expr: Max(" + ",".join(f"x*{i}" for i in range(20)) + ")"),
+     "feature_map.expr", "Max(x*0,x*1", 4),
+    ("spec_too_large", y(*LIN, "# " + "padding " * 9000), None, "65536 bytes", None),
     ("recursive_alias", y("name: &a [*a]", "attention: linear"), None, None, None),
     ("alias_bomb", y(*LIN, "colour:", *(f"  a{i}: &a{i} [*a{i - 1}, *a{i - 1}]" if i else "  a0: &a0 [1, 1]"
                                         for i in range(40))), None, "10000", None),
@@ -417,7 +433,7 @@ def legal_spec_dicts(draw):
         put("decay", "none" if mask == "bidirectional" else draw(st.sampled_from(["none", "scalar"])), "none")
         put("mask", mask, "causal")
         if mask == "sliding_window":
-            d["window"] = draw(st.integers(1, 2**31))
+            d["window"] = draw(st.integers(1, schema()["fields"]["window"]["max"]))
         for key, default in (("qk_norm", "none"), ("update", "additive"), ("normalize", "none"),
                              ("feature_map", "identity")):
             if draw(st.integers(0, 9)) == 0:
@@ -456,3 +472,106 @@ def test_legal_specs_load(d):
     assert load_spec(spec.to_dict()).hash == spec.hash
     assert parse_spec(yaml.safe_dump(d), "legal.yaml") == spec
     assert spec.describe()
+
+
+# --------------------------------------------------------------------------- bounds (issue 15, item 10)
+
+def test_bounds_are_in_the_schema():
+    """Every integer field declares its range, the name its length, and the spec its size."""
+    fields = schema()["fields"]
+    for info in (fields["window"], *fields["favor_plus"]["fields"].values()):
+        if info["type"] == "int":
+            assert {"min", "max"} <= set(info), info
+    assert fields["window"]["max"] + (2**30 - 1) <= 2**31 - 1   # position + window stays in int32
+    assert fields["name"]["max_length"] == 64
+    assert schema()["limits"]["spec_bytes"] == 65536
+
+
+def test_limits_hold_at_their_edges():
+    top = schema()["fields"]["window"]["max"]
+    assert parse_spec(y(*SOFT, "mask: sliding_window", f"window: {top}"), "ok.yaml").window == top
+    assert parse_spec(y("name: " + "a" * 64, "attention: linear"), "ok.yaml").name == "a" * 64
+    seed = schema()["fields"]["favor_plus"]["fields"]["seed"]["max"]
+    assert parse_spec(y(*FAVOR, f"  seed: {seed}"), "ok.yaml").favor_plus.seed == seed
+    with pytest.raises(SpecError, match="at most 64 characters"):
+        parse_spec(y("name: " + "a" * 65, "attention: linear"), "bad.yaml")
+    with pytest.raises(SpecError, match=f"from 0 to {seed}"):
+        parse_spec(y(*FAVOR, f"  seed: {seed + 1}"), "bad.yaml")
+    nested = "exp(" * 10 + "x" + ")" * 10
+    assert parse_spec(y(*EXPR, f"  expr: {nested}"), "ok.yaml").feature_expr == nested
+
+
+def test_large_spec_file_is_refused_before_parsing(tmp_path):
+    """A 52 MB file (sparse: no disk used) is refused by its size, naming the file, the size and the
+    limit; a device that says size 0 is read no further than the limit."""
+    path = tmp_path / "huge.yaml"
+    with open(path, "wb") as f:
+        f.write(y(*LIN).encode())
+        f.truncate(52_000_000)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    assert str(info.value) == f"{path}: the spec file is 52000000 bytes; a spec is at most 65536 bytes"
+    with pytest.raises(SpecError, match="more than 65536 bytes"):
+        load_spec("/dev/zero")
+
+
+def test_product_of_piecewise_maps_loads_quickly():
+    """A product of 8 Piecewise maps (263 characters) took 259 s in piecewise_fold; the fold is
+    skipped beyond a few pieces. Run in a subprocess so that a regression fails, not hangs."""
+    expr = "*".join(f"Piecewise((x+{i}, x > {i}), (exp(x), True))" for i in range(8))
+    code = ("import sys; from attngen.spec import parse_spec; "
+            f"s = parse_spec('name: a\\nattention: linear\\nfeature_map: {{expr: \"{expr}\"}}\\n'); "
+            "print(s.feature_map)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "expr"
+
+
+@pytest.mark.parametrize("expr", [
+    "Max(" + ",".join(f"{i}*x+{i}" for i in range(7)) + ",Min(" + ",".join(f"{i}*x-{i}" for i in range(8)) + "))",
+    "exp(" * 10 + "x" + ")" * 10,
+    "*".join(f"Piecewise((x+{i}, x > {i}), (sin(x), True))" for i in range(12)),
+])
+def test_expressions_within_the_limits_load_quickly(expr):
+    start = time.perf_counter()
+    spec = parse_spec(y(*EXPR, f"  expr: '{expr}'"), "ok.yaml")
+    assert spec.feature_expr == expr
+    assert time.perf_counter() - start < 20
+
+
+def test_recursion_error_becomes_a_spec_error(monkeypatch):
+    """Whatever still recurses too deeply inside sympy is a located SpecError, not a traceback."""
+    from attngen import algebra
+
+    def deep(expr):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(algebra, "derivative", deep)
+    with pytest.raises(SpecError, match=r"bad\.yaml:4: field 'feature_map\.expr': value 'exp\(x\)' is too deeply"):
+        parse_spec(y(*EXPR, "  expr: exp(x)"), "bad.yaml")
+
+
+# --------------------------------------------------------------------------- did you mean (issue 15, item 5)
+
+@pytest.mark.parametrize("text, field, hint", [
+    (y(*LIN, "updte: delta"), "updte", "did you mean 'update'?"),
+    (y(*LIN, "decay: scaler"), "decay", "did you mean 'scalar'?"),
+    (y(*LIN, "feature_map: elu_plus_1"), "feature_map", "did you mean 'elu_plus_one'?"),
+    (y(*LIN, "mask: bidirectonal"), "mask", "did you mean 'bidirectional'?"),
+    (y("name: a", "atention: linear"), "atention", "did you mean 'attention'?"),
+    (y("name: a", "attention: softmx"), "attention", "did you mean 'softmax'?"),
+    (y(*FAVOR, "  sed: 3"), "favor_plus.sed", "did you mean 'seed'?"),
+    (y(*SOFT, "decay: scalr"), "decay", "did you mean 'scalar'?"),
+])
+def test_did_you_mean(text, field, hint):
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, "typo.yaml")
+    assert info.value.field == field
+    assert hint in str(info.value) and "allowed" in str(info.value)
+
+
+def test_no_suggestion_for_unrelated_words():
+    with pytest.raises(SpecError) as info:
+        parse_spec(y(*LIN, "colour: red"), "bad.yaml")
+    assert "did you mean" not in str(info.value)

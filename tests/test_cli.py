@@ -1,0 +1,113 @@
+"""attngen's command line: start-up cost (--help and --version import no torch), --version,
+`check` (backend and form per row, every spec reported, kernels tested in float32) and
+`explain` (the backend that runs)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import attngen
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env=environ, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["check", "--help"], ["explain", "--help"],
+                                  ["compile", "--help"]])
+def test_help_and_version_import_no_torch(argv):
+    out = run_python(
+        "import sys\n"
+        "import attngen.cli\n"
+        "try:\n"
+        f"    attngen.cli.main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "heavy = sorted(m for m in ('torch', 'triton', 'sympy', 'jinja2', 'networkx') if m in sys.modules)\n"
+        "print('heavy:', heavy)\n")
+    assert out.returncode == 0, out.stderr
+    assert "heavy: []" in out.stdout, out.stdout
+
+
+def test_version():
+    out = run_python("import attngen.cli; attngen.cli.main(['--version'])")
+    assert out.stdout.strip() == f"attngen {attngen.__version__}"
+
+
+def test_import_attngen_is_cheap_and_load_still_works(tmp_path):
+    out = run_python("import sys, attngen\n"
+                     "print('torch' in sys.modules)\n"
+                     "op = attngen.load('specs/mamba2.yaml')\n"
+                     "print(type(op).__name__, 'torch' in sys.modules)\n"
+                     "from attngen import Op, load, reference\n"
+                     "print(isinstance(op, Op), load is attngen.load, callable(reference.reference))\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["False", "Op True", "True True True"], out.stdout
+    # Each command imports what it needs, in a fresh process (an import order of its own).
+    out = run_python(f"import attngen.cli; attngen.cli.main(['compile', 'specs/gla.yaml', '-o', {str(tmp_path)!r}])")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "gla.py").read_text() == (REPO / "generated" / "gla.py").read_text()
+
+
+
+# --------------------------------------------------------------------------- check and explain
+
+def run_cli(argv: list[str], backend: str, tmp_path) -> subprocess.CompletedProcess:
+    """The command line in a fresh process, with a backend and a private kernel cache."""
+    env = {"ATTNGEN_BACKEND": backend, "TRITON_INTERPRET": "1", "ATTNGEN_CACHE": str(tmp_path / "cache")}
+    return run_python(f"import sys, attngen.cli; sys.exit(attngen.cli.main({argv!r}))", env)
+
+
+def rows_of(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines()
+            if line.split() and line.split()[-1] in ("pass", "FAIL")]
+
+
+def test_check_triton_tests_the_kernels_in_float32(tmp_path):
+    """ATTNGEN_BACKEND=triton: every row names the backend (triton), the dtype (float32: the kernels
+    compute in float32) and the kernel that ran, and passes at the float32 tolerance."""
+    out = run_cli(["check", "specs/mamba2.yaml", "--shape", "1,20,1,4,4"], "triton", tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = rows_of(out.stdout)
+    assert len(rows) == 10 and all(r[-1] == "pass" for r in rows), out.stdout
+    assert all(r[1:3] == ["triton", "float32"] for r in rows), out.stdout
+    assert {" ".join(r[3:7]) for r in rows if r[3] == "parallel"} == {"parallel chunked kernel C=32"}
+    assert any(r[3:6] == ["recurrent", "recurrent", "kernel"] for r in rows), out.stdout
+    assert "ATTNGEN_BACKEND=triton, cpu tensors" in out.stdout
+
+
+def test_check_reports_every_spec_past_a_bad_one(tmp_path):
+    """A bad spec is one ERROR row naming the problem; the specs after it still run; the exit
+    status says something failed."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nattention: linear\ndecay: scaler\n")
+    out = run_cli(["check", str(bad), "specs/retnet.yaml", "--shape", "1,6,1,4,4", "--no-grad"], "torch", tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"{bad}:3: field 'decay': value 'scaler' is not allowed; did you mean 'scalar'?" in out.stdout
+    rows = rows_of(out.stdout)
+    assert len(rows) == 10 and all(r[0] == "retnet" and r[1:3] == ["torch", "float64"] for r in rows)
+    assert all(r[-1] == "pass" for r in rows)
+    assert "1 FAILED" in out.stdout
+
+
+def test_explain_names_the_backend_of_this_machine(tmp_path):
+    out = run_cli(["explain", "specs/gla.yaml", "--shape", "1,100,2,8,8"], "auto", tmp_path)
+    assert out.returncode == 0, out.stderr
+    tail = out.stdout.split("backend on this machine", 1)[1]
+    assert tail.startswith(" (ATTNGEN_BACKEND=auto, cpu tensors):"), out.stdout
+    assert "float32, bfloat16, float16 inputs: torch, chunked C=64 (ATTNGEN_BACKEND=auto: the kernels run " \
+           "on CUDA tensors, these are cpu)" in tail
+    out = run_cli(["explain", "specs/gla.yaml", "--shape", "1,100,2,8,8"], "triton", tmp_path)
+    tail = out.stdout.split("backend on this machine", 1)[1]
+    assert "float32, bfloat16, float16 inputs: triton, chunked kernel C=64 (ATTNGEN_BACKEND=triton, Triton's " \
+           "interpreter on the CPU)" in tail, out.stdout
+    assert "float64 inputs: torch, chunked C=64 (float64 inputs of linear attention run the PyTorch forms: " \
+           "the linear kernels compute in float32" in tail, out.stdout
