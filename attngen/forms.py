@@ -68,7 +68,7 @@ def _phi(ctx: Ctx, x):
 # (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same results, while
 # differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of floors stay exact
 # to float64 rounding over any chunk. The kernels apply the same floor where they load g.
-LOG_DECAY_FLOOR = -1e4
+LOG_DECAY_FLOOR = reference.LOG_DECAY_FLOOR
 
 
 def floor_log_decay(g):

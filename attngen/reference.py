@@ -13,6 +13,9 @@ from .spec import Spec, load_spec
 
 L2_EPS = 1e-6     # l2 norm: x / sqrt(sum(x^2) + L2_EPS)
 NORM_EPS = 1e-6   # normalize sum: o / (z.q + NORM_EPS)
+# log decays below this enter at it: exp is exactly 0 below about -745 in float64 (-104 in
+# float32), so a reset (g = -inf) gives the same results, and cumulative sums stay finite
+LOG_DECAY_FLOOR = -1e4
 
 
 def random_features(spec: Spec, head_dim: int, device=None, dtype=torch.float64) -> torch.Tensor | None:
@@ -132,13 +135,13 @@ def _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype):
         Tq, Tk = qs.shape[0], ks.shape[0]
         s = call.scale * torch.einsum("thk,jhk->htj", qs, ks)
         if gs is not None:
-            # the sum of g_i over j < i <= t, summed as written (from i = t down), not as a
-            # difference of cumulative sums: a reset (g_i = -inf) makes it -inf, not -inf - -inf
+            # the sum of g over j+1..t as G_t - G_j, G the cumsum of g: a reset (g_i = -inf, a gate
+            # of exactly 0) enters at the log-decay floor, where exp is exactly 0, so -inf - -inf
+            # never arises (the difference of cumulative sums is also what plain float32 PyTorch
+            # computes: the low-precision error scale of the tolerances)
+            G = torch.cumsum(gs.clamp(min=LOG_DECAY_FLOOR), 0).T     # [H, Tk]: sum of g_1..g_j
             pos = torch.arange(Tq, device=q.device) + (Tk - Tq)
-            i = torch.arange(Tk, device=q.device)
-            terms = torch.where(i[None, :] <= pos[:, None], gs.T[:, None, :], 0.0)    # [H, Tq, Tk]: g_i, i <= t
-            upward = terms.flip(-1).cumsum(-1).flip(-1)                              # sum over i >= j
-            s = s + torch.cat([upward[..., 1:], torch.zeros_like(upward[..., :1])], -1)
+            s = s + G[:, pos, None] - G[:, None, :]
         s = s.masked_fill(~softmax_allowed(spec, Tq, Tk, q.device), float("-inf"))
         outs.append(torch.einsum("htj,jhv->thv", torch.softmax(s, -1), vs))
     return torch.cat(outs)[None] if cu_seqlens is not None else torch.stack(outs)

@@ -75,16 +75,14 @@ def check_zero_by_structure(op, inputs, dtype, do_seed: int = 1) -> None:
             assert err <= LOWP_FLOOR[dtype] * float(bound), f"{name}: |{name}| = {err:.3g} on an exact zero"
 
 
-def check(name: str, shape: Shape, dtype, monkeypatch, seed: int = 0, decay_strength: float = 1.0,
-          unchecked: frozenset = frozenset()) -> None:
+def check(name: str, shape: Shape, dtype, monkeypatch, seed: int = 0, decay_strength: float = 1.0) -> None:
     op = attngen.load(SPECS[name])
     _, calls = kernel_module(op, monkeypatch)
     inputs = random_inputs(op.spec, shape, seed=seed, decay_strength=decay_strength)
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True)
     assert len(calls) == 1, "the backward kernels did not run"
     zero = {"dq", "dk", "dg"} if one_key_per_query(op.spec, shape) else set()
-    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows
-                if n not in zero | unchecked and not e <= t]
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if n not in zero and not e <= t]
     assert not failures, f"{name} {dtype} on {shape}:\n" + "\n".join(failures)
     if zero:
         check_zero_by_structure(op, inputs, dtype)
@@ -283,8 +281,7 @@ def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
 
     monkeypatch.setattr(module, "softmax_kv_splits", spied)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
-    # dg against the oracle: test_forgetting_dg_few_queries_long_cache (a gap of the backward, split or not)
-    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk, unchecked=frozenset({"dg"}))
+    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
     inputs = random_inputs(op.spec, shape, seed=Tk)
     inputs = {n: (t.to(DTYPES[dname]) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
@@ -294,14 +291,3 @@ def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
     for n in whole:
         assert rel_error(split[n], whole[n]) <= LOWP_FLOOR[DTYPES[dname]], n
 
-
-@pytest.mark.xfail(strict=True, reason="known gap: with few queries against a long cache, the backward's float32 "
-                   "dS rows (which sum to 0 exactly) leave dg 1.3-1.6x the float32 floor; the plain float32 "
-                   "PyTorch oracle's dg is nearer. Open: dg from the straddling pairs directly")
-def test_forgetting_dg_few_queries_long_cache(monkeypatch):
-    """Forgetting attention, 16 queries against 700 keys, float32, not split: dg against the oracle."""
-    op = attngen.load(SPECS["forgetting"])
-    module = codegen.load_module(op.spec)
-    monkeypatch.setattr(module, "softmax_kv_splits", lambda programs, Tk, BN, sms: (1, Tk))
-    shape = Shape(batch=2, q_len=16, k_len=700, heads=4, kv_heads=2, head_dim=16, value_dim=8)
-    check("forgetting", shape, torch.float32, monkeypatch, seed=700)
