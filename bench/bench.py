@@ -92,18 +92,19 @@ def make(B, T, H, D, dtype, grad, **extra):
     return t
 
 
+def fla(module, name):
+    """The fla op fla.ops.<module>.<name>, imported when the baseline first runs (fla is optional:
+    without it a row times attngen alone and says why)."""
+    def run(*args, **kw):
+        import importlib
+        return getattr(importlib.import_module(f"fla.ops.{module}"), name)(*args, **kw)
+    return run
+
+
 def cases(args):
     """name -> (attngen spec, input extras, baseline name, baseline fn(inputs) -> o)."""
-    try:
-        import fla.ops as fo  # noqa: F401
-        from fla.ops.delta_rule import chunk_delta_rule
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        from fla.ops.gla import chunk_gla
-        from fla.ops.kda import chunk_kda
-        from fla.ops.linear_attn import chunk_linear_attn
-        from fla.ops.simple_gla import chunk_simple_gla
-        have_fla = True
-        if args.bwd:
+    if args.bwd:
+        try:
             # fla refuses its gated backward on Hopper with Triton < 3.7.1 (fla issue #640: wrong
             # dβ/dg there). Its time is still the baseline's time: the guard is turned off for
             # timing; only outputs are compared, never its gradients.
@@ -111,35 +112,39 @@ def cases(args):
             if not fla_chunk_o.TRITON_ABOVE_3_7_1:
                 fla_chunk_o.TRITON_ABOVE_3_7_1 = True
                 print("fla: gated backward timed with its Triton < 3.7.1 guard off (gradients not compared)")
-    except Exception as e:  # noqa: BLE001
-        print(f"fla unavailable: {e}")
-        have_fla = False
+        except ImportError as e:
+            print(f"fla unavailable ({e}): its rows time attngen alone")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     flex = torch.compile(flex_attention)
     B, T, H = args.B, args.T, args.H
     causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, T)
     window = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 1024), None, None, T, T)
     to_bhtd = lambda x: x.transpose(1, 2)
+    chunk_gated_delta_rule = fla("gated_delta_rule", "chunk_gated_delta_rule")
+    chunk_delta_rule = fla("delta_rule", "chunk_delta_rule")
+    chunk_simple_gla = fla("simple_gla", "chunk_simple_gla")
+    chunk_gla = fla("gla", "chunk_gla")
+    chunk_kda = fla("kda", "chunk_kda")
+    chunk_linear_attn = fla("linear_attn", "chunk_linear_attn")
     out = {}
-    if have_fla:
-        out["gdn"] = ("gated_deltanet", ("g_scalar", "beta"), "fla chunk_gated_delta_rule",
-                      lambda t: chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
-                                                       use_qk_l2norm_in_kernel=True)[0])
-        out["delta"] = ("deltanet", ("beta",), "fla chunk_delta_rule",
-                        lambda t: chunk_delta_rule(t["q"], t["k"], t["v"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
-        out["mamba2"] = ("mamba2", ("g_scalar",), "fla chunk_simple_gla",
-                         lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g=t["g"])[0])
-        out["retnet"] = ("retnet", ("g_const",), "fla chunk_simple_gla g_gamma",
-                         lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g_gamma=t["g"])[0])
-        out["gla"] = ("gla", ("g_vector",), "fla chunk_gla",
-                      lambda t: chunk_gla(t["q"], t["k"], t["v"], t["g"])[0])
-        out["kda"] = ("kda", ("g_vector", "beta"), "fla chunk_kda",
-                      lambda t: chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
-        out["linear"] = ({"name": "linear_attention", "attention": "linear"}, (), "fla chunk_linear_attn",
-                         lambda t: chunk_linear_attn(t["q"], t["k"], t["v"], normalize=False)[0])
-        out["linear_elu_sum"] = ("linear_transformer", (), "fla chunk_linear_attn + elu+1 in torch",
-                                 lambda t: chunk_linear_attn(F.elu(t["q"]) + 1, F.elu(t["k"]) + 1, t["v"],
-                                                             normalize=True)[0])
+    out["gdn"] = ("gated_deltanet", ("g_scalar", "beta"), "fla chunk_gated_delta_rule",
+                  lambda t: chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                                   use_qk_l2norm_in_kernel=True)[0])
+    out["delta"] = ("deltanet", ("beta",), "fla chunk_delta_rule",
+                    lambda t: chunk_delta_rule(t["q"], t["k"], t["v"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
+    out["mamba2"] = ("mamba2", ("g_scalar",), "fla chunk_simple_gla",
+                     lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g=t["g"])[0])
+    out["retnet"] = ("retnet", ("g_const",), "fla chunk_simple_gla g_gamma",
+                     lambda t: chunk_simple_gla(t["q"], t["k"], t["v"], g_gamma=t["g"])[0])
+    out["gla"] = ("gla", ("g_vector",), "fla chunk_gla",
+                  lambda t: chunk_gla(t["q"], t["k"], t["v"], t["g"])[0])
+    out["kda"] = ("kda", ("g_vector", "beta"), "fla chunk_kda",
+                  lambda t: chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm_in_kernel=True)[0])
+    out["linear"] = ({"name": "linear_attention", "attention": "linear"}, (), "fla chunk_linear_attn",
+                     lambda t: chunk_linear_attn(t["q"], t["k"], t["v"], normalize=False)[0])
+    out["linear_elu_sum"] = ("linear_transformer", (), "fla chunk_linear_attn + elu+1 in torch",
+                             lambda t: chunk_linear_attn(F.elu(t["q"]) + 1, F.elu(t["k"]) + 1, t["v"],
+                                                         normalize=True)[0])
     out["softmax_causal"] = ("softmax_causal", (), "FlexAttention causal",
                              lambda t: to_bhtd(flex(to_bhtd(t["q"]), to_bhtd(t["k"]), to_bhtd(t["v"]), block_mask=causal)))
     out["softmax_causal_sdpa"] = ("softmax_causal", (), "SDPA causal",
