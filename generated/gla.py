@@ -427,7 +427,7 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
@@ -666,7 +666,7 @@ def chunked_fwd_chunk(chunk, dtype, BF):
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
     """The UT transform (none: additive rule) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
     n_slots). Shared by the forward and the backward."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
@@ -674,20 +674,20 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
-    ai = None
-    h = torch.empty(n_slots, H, F, VS, **f32)
-    u = torch.empty(B, T, H, V, **f32) if store_u else None
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                DOT_PRECISION=chunked_dot_precision(q.dtype))
+    ai = w = kr = gc = u = None
     # the tiles one chunk loads: k transposed, v, the vector decay in both layouts
-    stage_bytes = chunk * (1 * BK + BV) * q.element_size() + 2 * chunk * BF * g.element_size()
+    stage_bytes = chunk * (BK + BV) * q.element_size() + 2 * chunk * BF * g.element_size()
+    h = torch.empty(n_slots, H, F, VS, **f32)
+    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(triton.cdiv(V, BV), N * H)](
-        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
         num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
-    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
