@@ -449,22 +449,23 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 
 @triton.jit
 def chunked_round(x, DROP: tl.constexpr):
-    # fp32 -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the value a
-    # bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
-    b_bits = x.to(tl.uint32, bitcast=True)
+    # fp32 (or bf16) -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the
+    # value a bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
+    b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32) on float32 tiles. "ieee": fp32 products (fp64 inputs, and the
-    # interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand split in two tf32 parts
-    # (three products, about fp32's accuracy); "tf32": fp16 inputs, operands rounded to tf32, which
-    # has fp16's mantissa and fp32's range (FAVOR+ features and states outgrow fp16's 65504);
-    # "bf16": bf16 operands. "*_emulated": the same operand rounding, multiplied in fp32 (Triton's
-    # interpreter multiplies bf16 operands as raw bits and tf32 ones unrounded). A sum of two
-    # products is one accumulating into the other (acc), never two dot results added.
+    # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
+    # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
+    # split in two tf32 parts (three products, about fp32's accuracy); "tf32": fp16 inputs, operands
+    # rounded to tf32, which has fp16's mantissa and fp32's range (FAVOR+ features and states
+    # outgrow fp16's 65504); "bf16": bf16 operands. "*_emulated": the same operand rounding,
+    # multiplied in fp32 (Triton's interpreter multiplies bf16 operands as raw bits and tf32 ones
+    # unrounded). A sum of two products is one accumulating into the other (acc), never two dot
+    # results added.
     if DOT_PRECISION == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "bf16_emulated":
@@ -768,12 +769,15 @@ def chunked_states_kernel(
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        # [BT, BF] W and [BF, BT] K ⊙ Γ_C/Γ, transposed by the load
-        b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-        b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        # [BT, BV] the values the chunk's delta updates write: U = U0 - W S
-        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_u = chunked_dot(-b_w, b_h, DOT_PRECISION, b_u)
+        # [BT, BF] W and [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: dot operands as stored (their
+        # loads feed the dots with no conversion)
+        b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] the values the chunk's delta updates write: U = U0 - W S. U0 is subtracted from the
+        # product, not its accumulator: so Triton 3.6 prefetches it with W and the keys (a dot's
+        # accumulator, it was a plain load in the loop that the dot waited on)
+        b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
         if STORE_U:
             tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
@@ -847,7 +851,7 @@ def chunked_output_kernel(
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
-    b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
     b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
     tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 

@@ -393,22 +393,23 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 
 @triton.jit
 def chunked_round(x, DROP: tl.constexpr):
-    # fp32 -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the value a
-    # bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
-    b_bits = x.to(tl.uint32, bitcast=True)
+    # fp32 (or bf16) -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the
+    # value a bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
+    b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32) on float32 tiles. "ieee": fp32 products (fp64 inputs, and the
-    # interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand split in two tf32 parts
-    # (three products, about fp32's accuracy); "tf32": fp16 inputs, operands rounded to tf32, which
-    # has fp16's mantissa and fp32's range (FAVOR+ features and states outgrow fp16's 65504);
-    # "bf16": bf16 operands. "*_emulated": the same operand rounding, multiplied in fp32 (Triton's
-    # interpreter multiplies bf16 operands as raw bits and tf32 ones unrounded). A sum of two
-    # products is one accumulating into the other (acc), never two dot results added.
+    # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
+    # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
+    # split in two tf32 parts (three products, about fp32's accuracy); "tf32": fp16 inputs, operands
+    # rounded to tf32, which has fp16's mantissa and fp32's range (FAVOR+ features and states
+    # outgrow fp16's 65504); "bf16": bf16 operands. "*_emulated": the same operand rounding,
+    # multiplied in fp32 (Triton's interpreter multiplies bf16 operands as raw bits and tf32 ones
+    # unrounded). A sum of two products is one accumulating into the other (acc), never two dot
+    # results added.
     if DOT_PRECISION == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "bf16_emulated":
