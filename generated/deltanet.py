@@ -628,8 +628,6 @@ def chunked_ut_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BT]
-    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
@@ -637,8 +635,12 @@ def chunked_ut_kernel(
     b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BF] the keys of the state update
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
-    # [BT, BF] W = (I + A)^-1 diag(β) K
-    b_w = chunked_dot(b_Ai, b_k * b_beta[:, None], DOT_PRECISION)
+    # [BT, BF] diag(β) K
+    b_y = b_k * b_beta[:, None]
+    # [BT, BT]
+    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # [BT, BF] W = (I + A)^-1 diag(β) (K)
+    b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
     tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
     # [BT, BV] U0 = (I + A)^-1 diag(β) V, by value blocks
     for i_v in range(0, tl.cdiv(V, BV)):

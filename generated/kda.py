@@ -762,13 +762,6 @@ def chunked_ut_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BT]
-    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-    # [BT, BK] -> [BT, BF]
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BT] (0 on padded tokens)
-    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in float64
     b_g = tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64)
     b_G = tl.cumsum(b_g, 0)
@@ -778,11 +771,20 @@ def chunked_ut_kernel(
     b_gam = tl.exp(b_G.to(tl.float32))
     b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BK] -> [BT, BF]
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    # [BT] (0 on padded tokens)
+    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest).to(kr.dtype.element_ty), mask=m_tf)
     tl.store(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_gam_C, mask=m_f)
+    # [BT, BF] diag(β) (K ⊙ Γ)
+    b_y = b_k * b_gam * b_beta[:, None]
+    # [BT, BT]
+    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
     # [BT, BF] W = (I + A)^-1 diag(β) (K ⊙ Γ)
-    b_w = chunked_dot(b_Ai, b_k * b_gam * b_beta[:, None], DOT_PRECISION)
+    b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
     tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
     # [BT, BV] U0 = (I + A)^-1 diag(β) V, by value blocks
     for i_v in range(0, tl.cdiv(V, BV)):
