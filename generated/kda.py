@@ -441,7 +441,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
 # Memory: the chunk-start states [chunk slots, H, F, VS] float32,
 # (I + A)^-1 [B, T, H, BT] float32, W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V], Γ_C [chunk slots, H, F] float32
-# (W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32)
+# (W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
+# fp16's range is too short for them: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
 # The keys of the state update are stored by chunked_ut_kernel rather than featurized and decayed
 # in the state pass: the same bytes read per chunk (the stored keys in place of k), one more write
@@ -1043,10 +1044,10 @@ def chunked_pass_dtype(dtype):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
-    """The UT transform and the chunk-local tiles of the delta rule (chunked_ut_kernel) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values (chunked_pass_dtype) or None,
+    """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass: ->
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
-    n_slots). Shared by the forward and the backward."""
+    n_slots). Shared by the forward and the backward. u is in chunked_pass_dtype."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
@@ -1113,16 +1114,17 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # of dq̂, dk̂ until the end (dP_tt apart). No sum runs across chunks.
 # Three kernels:
 #   1. the forward's chunked_ut_kernel and chunked_states_kernel (chunked_states): every
-#      chunk-start state h_c, recomputed.
+#      chunk-start state h_c, recomputed, and (I + A)^-1 (with W, K̂ ⊙ Γ_C/Γ and U0 for the
+#      state pass).
 #   2. chunked_bwd_delta_kernel, per (value block, sequence x head), chunks in reverse with dS
 #      [BF, BV] in registers (from the final state's gradient): dv, the value block's shares of dq̂,
 #      dk̂, dβ, dP_tt and the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
 #   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
 #      the chain rule through scale, the l2 norm and the feature map (recomputed from q, k) -> dq, dk.
 # Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32) and the value blocks' shares live only inside this backward, recomputed here from the
-# inputs: a training step's extra memory stays O(T (F + V)) per head, plus this transient
-# O(T F V / chunk).
+# (float32), chunked_states' (I + A)^-1, W, K̂ ⊙ Γ_C/Γ and U0 and the value blocks' shares live only
+# inside this backward, recomputed here from the inputs: a training step's extra memory stays
+# O(T (F + V)) per head, plus this transient O(T F V / chunk).
 CHUNKED_BACKWARD = ("chunked",)
 
 
