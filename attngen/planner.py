@@ -291,11 +291,11 @@ MEMORY = {
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps the chunk-start states (T/C x F x V floats per head, float32; with the delta rule also "
-              "the written values and the UT transform's (I + A)^-1, T x (V + C) floats) only during the "
-              "call; the recurrent backward keeps per-token partials, O(T (K + V)) per head times the value "
-              "blocks; the chunked backward recomputes the chunk-start states at chunks of at most 32 tokens "
-              "(T/32 x F x V floats per head) and keeps per-value-block dq/dk partials, transient inside "
-              "the backward",
+              "W, the decayed keys and the written values, T x (2F + V) values in bf16 for bf16 inputs, "
+              "else float32, and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
+              "recurrent backward keeps per-token partials, O(T (K + V)) per head times the value blocks; the "
+              "chunked backward recomputes the chunk-start states at chunks of at most 32 tokens (T/32 x F x "
+              "V floats per head) and keeps per-value-block dq/dk partials, transient inside the backward",
 }
 
 

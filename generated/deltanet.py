@@ -392,19 +392,27 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
 # passes over chunks of BT tokens:
 #   1. chunked_ut_kernel, chunk-parallel (per chunk slot and head): the UT transform's
-#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by 16-token blocks
+#      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by 16-token blocks, stored; then,
+#      from its rows read back whole, W = (I + A)^-1 diag(β) (K ⊙ Γ), U0 = (I + A)^-1 diag(β) V,
+#      the keys of the state update K ⊙ Γ_C/Γ: all the chunk-local work of the delta rule
 #   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c,
-#      computes W = (I + A)^-1 diag(β) (K ⊙ Γ) and the written values U = (I + A)^-1 diag(β) V - W S_c,
-#      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop
+#      the written values U = U0 - W S_c (over U0),
+#      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop (two per chunk)
 #   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
 #      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
-# padded tokens give zero features).
+# padded tokens give zero features); the state pass reads the keys chunked_ut_kernel stored.
 # Memory: the chunk-start states [chunk slots, H, F, VS] float32,
-# the written values U [B, T, H, V] float32 and (I + A)^-1 [B, T, H, BT] float32
+# (I + A)^-1 [B, T, H, BT] float32, W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V]
+# (W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
+# fp16's range is too short for them: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
+# The keys of the state update are stored by chunked_ut_kernel rather than featurized and decayed
+# in the state pass: the same bytes read per chunk (the stored keys in place of k), one more write
+# of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no l2
+# norm, feature map or float64 cumsum on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -412,22 +420,23 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 
 @triton.jit
 def chunked_round(x, DROP: tl.constexpr):
-    # fp32 -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the value a
-    # bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
-    b_bits = x.to(tl.uint32, bitcast=True)
+    # fp32 (or bf16) -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the
+    # value a bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
+    b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32) on float32 tiles. "ieee": fp32 products (fp64 inputs, and the
-    # interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand split in two tf32 parts
-    # (three products, about fp32's accuracy); "tf32": fp16 inputs, operands rounded to tf32, which
-    # has fp16's mantissa and fp32's range (FAVOR+ features and states outgrow fp16's 65504);
-    # "bf16": bf16 operands. "*_emulated": the same operand rounding, multiplied in fp32 (Triton's
-    # interpreter multiplies bf16 operands as raw bits and tf32 ones unrounded). A sum of two
-    # products is one accumulating into the other (acc), never two dot results added.
+    # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
+    # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
+    # split in two tf32 parts (three products, about fp32's accuracy); "tf32": fp16 inputs, operands
+    # rounded to tf32, which has fp16's mantissa and fp32's range (FAVOR+ features and states
+    # outgrow fp16's 65504); "bf16": bf16 operands. "*_emulated": the same operand rounding,
+    # multiplied in fp32 (Triton's interpreter multiplies bf16 operands as raw bits and tf32 ones
+    # unrounded). A sum of two products is one accumulating into the other (acc), never two dot
+    # results added.
     if DOT_PRECISION == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "bf16_emulated":
@@ -446,17 +455,20 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
 @triton.jit
 def chunked_ut_kernel(
     # pointers
-    k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
+    k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     x_scale, f_scale,
     # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
     #   L^-1_ii = (I + A_ii)^-1 (forward substitution, 16 rows), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
     # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
+    # Then W, U0, K ⊙ Γ_C/Γ for the state pass, from the stored rows read back as one
+    # [BT, BT] tile (its dots at the chunk's full width, not 16-row blocks).
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -611,11 +623,42 @@ def chunked_ut_kernel(
         tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], b_Ai32, mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], b_Ai33, mask=m_t3[:, None])
 
+    # ---- the chunk's W, U0 and keys for the state pass
+    # every thread's rows of (I + A)^-1 stored above are visible to all threads past this barrier
+    tl.debug_barrier()
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT, BK] -> [BT, BF]
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    # [BT] (0 on padded tokens)
+    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+    # [BT, BF] the keys of the state update
+    tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
+    # [BT, BF] diag(β) K
+    b_y = b_k * b_beta[:, None]
+    # [BT, BT]
+    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # [BT, BF] W = (I + A)^-1 diag(β) (K)
+    b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
+    tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
+    # [BT, BV] U0 = (I + A)^-1 diag(β) V, by value blocks
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION)
+        tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+
 
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
@@ -624,7 +667,8 @@ def chunked_states_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # one program per (value block, sequence x head): the sequential pass over the chunks
+    # one program per (value block, sequence x head): the sequential pass over the chunks, from
+    # chunked_ut_kernel's W, U0 (U written over it), K ⊙ Γ_C/Γ
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -660,23 +704,19 @@ def chunked_states_kernel(
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # the values the chunk's delta updates write: U = (I + A)^-1 diag(β) V - W S with
-        # W = (I + A)^-1 diag(β) (K ⊙ Γ), (I + A)^-1 from chunked_ut_kernel
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-        b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-        b_w = chunked_dot(b_Ai, b_k * b_beta[:, None], DOT_PRECISION)
-        b_u = chunked_dot(-b_w, b_h, DOT_PRECISION, chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION))
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BF] W and [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: dot operands as stored (their
+        # loads feed the dots with no conversion)
+        b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] the values the chunk's delta updates write: U = U0 - W S. U0 is subtracted from the
+        # product, not its accumulator: so Triton 3.6 prefetches it with W and the keys (a dot's
+        # accumulator, it was a plain load in the loop that the dot waited on)
+        b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
         if STORE_U:
-            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u, mask=m_t[:, None] & m_v[None, :])
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_kt_rest = b_kt
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
 
     if STORE_HT:
@@ -834,34 +874,46 @@ def chunked_fwd_chunk(chunk, dtype, BF):
     return min(chunk, 32) if dtype == torch.float32 and BF > 128 else chunk
 
 
+def chunked_pass_dtype(dtype):
+    """The dtype of the tiles chunked_ut_kernel hands to the later passes (W, K ⊙ Γ_C/Γ, U): bf16
+    for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
+    half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
+    (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
-    """The UT transform (chunked_ut_kernel) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass: ->
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
-    n_slots). Shared by the forward and the backward."""
+    n_slots). Shared by the forward and the backward. u is in chunked_pass_dtype."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
+    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = torch.empty(B, T, H, chunk, **f32)
+    # W, the keys K ⊙ Γ_C/Γ and U0 (the state pass writes U over it)
+    tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    w, kr, u = torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, V, **tiles)
+    gc = None
     chunked_ut_kernel[(n_slots, H)](
-        k, g, beta, omega, ai, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, F, K ** -0.25, F ** -0.5, num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, **meta,
+        k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
+        T, H, K, V, F, K ** -0.25, F ** -0.5, num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, **meta,
     )
+    # the tiles one chunk loads: W, the keys transposed and U0
+    stage_bytes = chunk * (2 * BF + BV) * w.element_size()
     h = torch.empty(n_slots, H, F, VS, **f32)
-    u = torch.empty(B, T, H, V, **f32) if store_u else None
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    # the tiles one chunk loads: k transposed, v, k, β and (I + A)^-1 [BT, BT] float32
-    stage_bytes = chunk * (2 * BK + BV) * q.element_size() + chunk * chunk * 4
     chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
-        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
         num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
-    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
@@ -895,16 +947,17 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # T^T (chunked_ut_kernel's T, loaded transposed), W^T, U^T are built transposed, so no value is transposed.
 # Three kernels:
 #   1. the forward's chunked_ut_kernel and chunked_states_kernel (chunked_states): every
-#      chunk-start state h_c, recomputed.
+#      chunk-start state h_c, recomputed, and (I + A)^-1 (with W, K̂ ⊙ Γ_C/Γ and U0 for the
+#      state pass).
 #   2. chunked_bwd_delta_kernel, per (value block, sequence x head), chunks in reverse with dS
 #      [BF, BV] in registers (from the final state's gradient): dv, the value block's shares of dq̂,
 #      dk̂, dβ, dP_tt; after chunk 0, dS is the initial state's gradient.
 #   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares;
 #      the chain rule through scale, the l2 norm and the feature map (recomputed from q, k) -> dq, dk.
 # Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32) and the value blocks' shares live only inside this backward, recomputed here from the
-# inputs: a training step's extra memory stays O(T (F + V)) per head, plus this transient
-# O(T F V / chunk).
+# (float32), chunked_states' (I + A)^-1, W, K̂ ⊙ Γ_C/Γ and U0 and the value blocks' shares live only
+# inside this backward, recomputed here from the inputs: a training step's extra memory stays
+# O(T (F + V)) per head, plus this transient O(T F V / chunk).
 CHUNKED_BACKWARD = ("chunked",)
 
 

@@ -406,22 +406,23 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 
 @triton.jit
 def chunked_round(x, DROP: tl.constexpr):
-    # fp32 -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the value a
-    # bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
-    b_bits = x.to(tl.uint32, bitcast=True)
+    # fp32 (or bf16) -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the
+    # value a bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
+    b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32) on float32 tiles. "ieee": fp32 products (fp64 inputs, and the
-    # interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand split in two tf32 parts
-    # (three products, about fp32's accuracy); "tf32": fp16 inputs, operands rounded to tf32, which
-    # has fp16's mantissa and fp32's range (FAVOR+ features and states outgrow fp16's 65504);
-    # "bf16": bf16 operands. "*_emulated": the same operand rounding, multiplied in fp32 (Triton's
-    # interpreter multiplies bf16 operands as raw bits and tf32 ones unrounded). A sum of two
-    # products is one accumulating into the other (acc), never two dot results added.
+    # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
+    # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
+    # split in two tf32 parts (three products, about fp32's accuracy); "tf32": fp16 inputs, operands
+    # rounded to tf32, which has fp16's mantissa and fp32's range (FAVOR+ features and states
+    # outgrow fp16's 65504); "bf16": bf16 operands. "*_emulated": the same operand rounding,
+    # multiplied in fp32 (Triton's interpreter multiplies bf16 operands as raw bits and tf32 ones
+    # unrounded). A sum of two products is one accumulating into the other (acc), never two dot
+    # results added.
     if DOT_PRECISION == "bf16":
         c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif DOT_PRECISION == "bf16_emulated":
@@ -440,7 +441,7 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, beta, omega, ai, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
@@ -670,7 +671,7 @@ def chunked_fwd_chunk(chunk, dtype, BF):
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
     """The UT transform (none: additive rule) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] float32 written values or None,
+    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
     n_slots). Shared by the forward and the backward."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
@@ -678,20 +679,20 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     BK, BF, BV = chunked_blocks(K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
-    ai = None
-    h = torch.empty(n_slots, H, F, VS, **f32)
-    u = torch.empty(B, T, H, V, **f32) if store_u else None
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
+                DOT_PRECISION=chunked_dot_precision(q.dtype))
+    ai = w = kr = gc = u = None
     # the tiles one chunk loads: k transposed, v
-    stage_bytes = chunk * (1 * BK + BV) * q.element_size()
+    stage_bytes = chunk * (BK + BV) * q.element_size()
+    h = torch.empty(n_slots, H, F, VS, **f32)
+    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
-        k, v, g, beta, omega, ai, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5, BV=BV,
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
+        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
         num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
-    return h, u, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):

@@ -125,6 +125,27 @@ def test_float16_features_beyond_its_range():
     assert rel_error(s, ref_s) <= tolerance(torch.float16, None)
 
 
+def test_float16_written_values_beyond_its_range():
+    """The delta rule's values between passes (U) of fp16 inputs keep fp32's range: with orthogonal
+    keys and β = 2, the written values are U = 2 V = ±120000 (fp16's largest value is 65504), while
+    the outputs, read through the first key alone, stay in range."""
+    op = attngen.load(SPECS["deltanet"])
+    shape = Shape(batch=1, q_len=8, heads=1, head_dim=8, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=0, initial_state=False)
+    inputs["k"] = torch.eye(8, dtype=torch.float64)[None, :, None, :]
+    inputs["q"] = torch.eye(8, dtype=torch.float64)[0].expand_as(inputs["q"]).clone()
+    inputs["beta"] = torch.full_like(inputs["beta"], 2.0)
+    inputs["v"] = 60000.0 * torch.sign(inputs["v"])
+    ref_o, ref_s = reference(op.spec, **inputs, output_final_state=True)
+    assert ref_s.abs().max() > 65504
+    # plain fp16 PyTorch overflows in U: the tolerance is fp16's floor, not relative to it
+    o, s = op(**{n: (t.half() if n in ("q", "k", "v") else t) for n, t in inputs.items()},
+              output_final_state=True, form="chunked", chunk_size=16)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_error(o, ref_o) <= tolerance(torch.float16, None)
+    assert rel_error(s, ref_s) <= tolerance(torch.float16, None)
+
+
 @pytest.mark.parametrize("name", ["performer", "gated_deltanet"])
 def test_float64_inputs_run_the_pytorch_forms(name, monkeypatch):
     """float64 inputs run the PyTorch forms, not the kernels (which compute in float32): a float64
