@@ -26,9 +26,8 @@ from typing import Callable
 import torch
 from torch.linalg import solve_triangular
 
-from . import reference
 from .inputs import Call
-from .spec import Spec
+from .spec import L2_EPS, LOG_DECAY_FLOOR, NORM_EPS, Spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +49,7 @@ def feature_map(ctx: Ctx, q, k):
     """q, k [B, T, H, K] -> q_hat, k_hat [B, T, H, F]: phi, l2 norm, scale (on q)."""
     qh, kh = (_phi(ctx, x.to(ctx.dtype)) for x in (q, k))
     if ctx.spec.qk_norm == "l2":
-        qh, kh = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + reference.L2_EPS) for x in (qh, kh))
+        qh, kh = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS) for x in (qh, kh))
     return qh * ctx.call.scale, kh
 
 
@@ -64,13 +63,11 @@ def _phi(ctx: Ctx, x):
     return torch.exp(proj - 0.5 * (xs * xs).sum(-1, keepdim=True)) * ctx.omega.shape[0] ** -0.5
 
 
-# Log decays are raised to this floor. exp underflows to exactly 0 below about -745 in float64
-# (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same results, while
-# differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of floors stay exact
-# to float64 rounding over any chunk. The kernels apply the same floor where they load g.
-LOG_DECAY_FLOOR = reference.LOG_DECAY_FLOOR
-
-
+# Log decays are raised to LOG_DECAY_FLOOR (spec.py). exp underflows to exactly 0 below about -745
+# in float64 (-104 in float32), so a gate of exactly zero (g = -inf, a reset) gives the same
+# results, while differences of cumulative log decays stay finite (-inf - -inf is NaN). Sums of
+# floors stay exact to float64 rounding over any chunk. The kernels apply the same floor where
+# they load g.
 def floor_log_decay(g):
     """g raised to LOG_DECAY_FLOOR (NaN stays NaN; the gradient below the floor is 0, as is
     that of exp(g) at g = -inf)."""
@@ -142,7 +139,7 @@ def initial(ctx: Ctx, s0, values):
 
 def normalize_output(ctx: Ctx, o):
     """o [.., V+1] -> o[..., :V] / (z·q + eps)."""
-    return o[..., :-1] / (o[..., -1:] + reference.NORM_EPS)
+    return o[..., :-1] / (o[..., -1:] + NORM_EPS)
 
 
 # --------------------------------------------------------------------------- recurrent
@@ -151,11 +148,16 @@ def token_scan(ctx: Ctx, qs, ks, vs, gs, bs, s0):
     """The token loop: the literal recurrence, one step per token."""
     S = initial(ctx, s0, vs)
     outs = []
+    delta = ctx.spec.update == "delta"
     for t in range(qs.shape[2]):
-        beta_t = bs[:, :, t] if bs is not None else None
-        S, o_t = reference.linear_step(ctx.spec, S, qs[:, :, t], ks[:, :, t], vs[:, :, t],
-                                       torch.exp(gs[:, :, t])[..., None], beta_t)
-        outs.append(o_t)
+        q_t, k_t, v_t = qs[:, :, t], ks[:, :, t], vs[:, :, t]
+        # S <- a_t S, then the additive write k v^T or the delta rule's beta k (v - S^T k)^T
+        S = S * torch.exp(gs[:, :, t])[..., None]
+        w_t = v_t - (k_t[..., None, :] @ S)[..., 0, :] if delta else v_t
+        if delta:
+            w_t = w_t * bs[:, :, t][..., None]
+        S = S + k_t[..., :, None] * w_t[..., None, :]
+        outs.append((q_t[..., None, :] @ S)[..., 0, :])
     return torch.stack(outs, 2), S
 
 

@@ -11,9 +11,9 @@ import dataclasses
 import networkx as nx
 import torch
 
-from . import forms, reference
+from . import forms
 from .inputs import Call
-from .spec import Spec
+from .spec import L2_EPS, LOG_DECAY_FLOOR, NORM_EPS, Spec
 
 # The rule that picks a form (linear attention, per call). Sequences up to RECURRENT_MAX_LEN
 # tokens run the token loop; up to PARALLEL_MAX_LEN the quadratic form; longer, the chunked
@@ -257,7 +257,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=reference.L2_EPS, norm_eps=reference.NORM_EPS, log_decay_floor=forms.LOG_DECAY_FLOOR)
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR)
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

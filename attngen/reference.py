@@ -9,13 +9,7 @@ import torch
 
 from . import algebra
 from .inputs import check_linear, check_softmax
-from .spec import Spec, load_spec
-
-L2_EPS = 1e-6     # l2 norm: x / sqrt(sum(x^2) + L2_EPS)
-NORM_EPS = 1e-6   # normalize sum: o / (z.q + NORM_EPS)
-# log decays below this enter at it: exp is exactly 0 below about -745 in float64 (-104 in
-# float32), so a reset (g = -inf) gives the same results, and cumulative sums stay finite
-LOG_DECAY_FLOOR = -1e4
+from .spec import L2_EPS, LOG_DECAY_FLOOR, NORM_EPS, Spec, load_spec
 
 
 def random_features(spec: Spec, head_dim: int, device=None, dtype=torch.float64) -> torch.Tensor | None:

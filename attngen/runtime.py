@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner, reference
+from . import algebra, codegen, forms, planner
 from .inputs import Call, check_linear, check_softmax, packed_offsets
 from .spec import Spec, load_spec
 
@@ -24,6 +24,12 @@ def backend() -> str:
         raise ValueError(f"ATTNGEN_BACKEND: value {value!r} is not allowed; allowed: {', '.join(BACKENDS)}")
     return value
 
+
+
+def _random_features(spec: Spec, head_dim: int) -> torch.Tensor:
+    """FAVOR+ Omega [features, head_dim], float64 on the CPU, of a favor_plus spec."""
+    fp = spec.favor_plus
+    return algebra.favor_random_features(fp.features, head_dim, fp.orthogonal, fp.seed)
 
 class Op:
     """A compiled attention op. Linear: op(q, k, v, g, beta, scale, initial_state,
@@ -48,7 +54,7 @@ class Op:
             return None
         key = (head_dim, str(device), dtype)
         if key not in self._omega:
-            self._omega[key] = reference.random_features(self.spec, head_dim, device, dtype)
+            self._omega[key] = _random_features(self.spec, head_dim).to(device=device, dtype=dtype)
         return self._omega[key]
 
     def __repr__(self) -> str:
@@ -62,7 +68,7 @@ class Op:
                              f"{self.spec.feature_map!r}; only favor_plus has random features")
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"head_dim: expected a positive integer, got {head_dim!r}")
-        return reference.random_features(self.spec, head_dim)
+        return _random_features(self.spec, head_dim)
 
     def choose(self, call: Call, form: str | None = None, chunk_size: int | None = None) -> planner.Choice:
         return planner.choose(self.plan, call, form, chunk_size)

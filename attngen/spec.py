@@ -19,6 +19,13 @@ from typing import Any, Mapping
 
 import yaml
 
+# Constants of the semantics (DESIGN.md §3), shared by the interpreter, the forms and the kernels.
+L2_EPS = 1e-6     # l2 norm: x / sqrt(sum(x^2) + L2_EPS)
+NORM_EPS = 1e-6   # normalize sum: o / (z.q + NORM_EPS)
+# log decays below this enter at it: exp is exactly 0 below about -745 in float64 (-104 in
+# float32), so a reset (g = -inf) gives the same results, and cumulative sums stay finite
+LOG_DECAY_FLOOR = -1e4
+
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
 

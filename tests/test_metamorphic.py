@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen.reference import NORM_EPS
+from attngen.spec import NORM_EPS
 from attngen.testing import Shape, outputs_and_grads, random_inputs, rel_error, tolerance
 
 try:
