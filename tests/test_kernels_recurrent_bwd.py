@@ -34,20 +34,7 @@ def spec_dict(name):
     return dict(name=f"rb_{name}", attention="linear", **{**SPECS, **EXTRA}[name])
 
 
-pytestmark = pytest.mark.usefixtures("triton_backend")
-
-
-@pytest.fixture(autouse=True)
-def nan_buffers(monkeypatch):
-    """Fresh floating buffers start as NaN: every gradient element must be written."""
-    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+pytestmark = pytest.mark.usefixtures("triton_backend", "poison_fresh_buffers")
 
 
 @pytest.fixture
