@@ -1,6 +1,6 @@
 """Training smoke test: a 2-layer model with a generated op (PyTorch forms on the CPU)
 learns to recall the token seen three steps earlier."""
-from attngen.training import train
+from training import train
 
 
 def test_mamba2_layers_learn_recall(monkeypatch):

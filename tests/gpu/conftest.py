@@ -1,8 +1,13 @@
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the helpers of the CPU tests (training.py, strategies.py) live in tests/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The oracles run on the CPU: share its cores among the test processes
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))

@@ -2,7 +2,7 @@
 same data, same initial weights, loss curves agree step by step while both learn."""
 import pytest
 
-from attngen.training import train
+from training import train
 
 
 @pytest.mark.parametrize("spec", ["specs/mamba2.yaml", "specs/gated_deltanet.yaml", "specs/softmax_causal.yaml"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .runtime import Op, load
+from attngen.runtime import Op, load
 
 VOCAB, LAG = 16, 3
 
