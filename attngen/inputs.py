@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 
 import torch
 
@@ -176,3 +177,53 @@ def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> C
         raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
     N, max_len = _sequences(cu_seqlens, q, B, Tk)
     return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen, Hkv)
+
+
+def validating() -> bool:
+    """ATTNGEN_VALIDATE=1: check input values too (validate_values). Off by default: each check
+    reads a reduction back to the host, a device sync on every call."""
+    value = os.environ.get("ATTNGEN_VALIDATE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"ATTNGEN_VALIDATE: value {value!r} is not allowed; allowed: 0 (default), 1")
+    return value == "1"
+
+
+def _where(t: torch.Tensor, flat: int) -> str:
+    return "[" + ", ".join(str(int(i)) for i in torch.unravel_index(torch.tensor(flat), t.shape)) + "]"
+
+
+def _finite(name: str, t: torch.Tensor | None, allow_neg_inf: bool = False) -> None:
+    if t is None:
+        return
+    bad = torch.isnan(t) | (t == float("inf")) if allow_neg_inf else ~torch.isfinite(t)
+    if bool(bad.any()):
+        flat = int(bad.flatten().nonzero()[0])
+        allowed = "finite values or -inf (a reset: gate 0)" if allow_neg_inf else "finite values"
+        raise ValueError(f"{name}: expected {allowed}, got {t.flatten()[flat].item()} at {_where(t, flat)}")
+
+
+# The delta rule's step: S <- S (I - beta k k^T) + ..., which contracts for unit-norm keys only
+# while 0 <= beta <= 2 (the eigenvalue along k is 1 - beta).
+BETA_RANGE = (0.0, 2.0)
+
+
+def validate_values(q, k, v, g=None, beta=None, initial_state=None) -> None:
+    """The value checks of ATTNGEN_VALIDATE=1, after the shape checks: q, k, v, beta and the
+    initial state finite; g (log decay) NaN-free and <= 0, -inf allowed (a gate exp(g) = 0);
+    beta in BETA_RANGE."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state)):
+        _finite(name, t)
+    _finite("g", g, allow_neg_inf=True)
+    if g is not None:
+        top = g.max()
+        if bool(top > 0):
+            flat = int(g.flatten().argmax())
+            raise ValueError(f"g: log decay must be <= 0 (a gate exp(g) <= 1); got max {top.item():g} at "
+                             f"{_where(g, flat)}")
+    if beta is not None:
+        lo, hi = BETA_RANGE
+        bad = (beta < lo) | (beta > hi)
+        if bool(bad.any()):
+            flat = int(bad.flatten().nonzero()[0])
+            raise ValueError(f"beta: expected values in [{lo:g}, {hi:g}] (the delta rule contracts the state for "
+                             f"unit keys only there), got {beta.flatten()[flat].item():g} at {_where(beta, flat)}")

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from . import algebra, codegen, forms, planner, reference
-from .inputs import Call, check_linear, check_softmax, packed_offsets
+from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -77,6 +77,8 @@ class Op:
                 raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of "
                                  "these (they are for attention: linear)")
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        if validating():
+            validate_values(q, k, v, g, beta, initial_state)
         cu_seqlens = packed_offsets(cu_seqlens)
         choice = self.choose(call, form, chunk_size)
         if _use_kernels(self.spec, q):

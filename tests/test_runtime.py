@@ -363,3 +363,64 @@ def test_low_precision_dtypes(name, dtype):
         assert o.dtype == dtype and o.shape == (2, 40, 2, 6) and torch.isfinite(o).all()
     bad = [r for r in compare(op.spec, op, inputs, dtype) if not r[1] <= r[2]]
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------- ATTNGEN_VALIDATE
+
+def _set(name, index, value):
+    def edit(a):
+        t = a[name].clone()
+        t[index] = value
+        return {**a, name: t}
+    return edit
+
+
+BAD_VALUES = [
+    # (id, spec, edit of the valid inputs, argument named, text the message must also hold)
+    ("g_positive", "gated_deltanet", _set("g", (1, 4, 2), 0.37), "g",
+     "log decay must be <= 0 (a gate exp(g) <= 1); got max 0.37 at [1, 4, 2]"),
+    ("g_positive_constant", "retnet", _set("g", (1,), 0.5), "g", "got max 0.5 at [1]"),
+    ("g_positive_softmax", "forgetting_attention", _set("g", (0, 3, 1), 2.0), "g", "at [0, 3, 1]"),
+    ("g_nan", "mamba2", _set("g", (0, 2, 1), float("nan")), "g", "nan at [0, 2, 1]"),
+    ("g_plus_inf", "mamba2", _set("g", (0, 2, 1), float("inf")), "g", "inf at [0, 2, 1]"),
+    ("q_nan", "gated_deltanet", _set("q", (0, 1, 2, 3), float("nan")), "q", "nan at [0, 1, 2, 3]"),
+    ("k_inf", "linear_transformer", _set("k", (1, 0, 0, 0), float("-inf")), "k", "-inf at [1, 0, 0, 0]"),
+    ("v_nan", "softmax_causal", _set("v", (0, 0, 0, 1), float("nan")), "v", "finite"),
+    ("beta_nan", "deltanet", _set("beta", (0, 5, 1), float("nan")), "beta", "nan at [0, 5, 1]"),
+    ("beta_negative", "deltanet", _set("beta", (0, 5, 1), -0.1), "beta", "[0, 2]"),
+    ("beta_above_two", "gated_deltanet", _set("beta", (1, 9, 0), 2.5), "beta", "got 2.5 at [1, 9, 0]"),
+    ("initial_state_nan", "gated_deltanet", _set("initial_state", (0, 0, 0, 0), float("nan")), "initial_state",
+     "nan"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_validate_names_the_bad_value(monkeypatch, case):
+    _, name, edit, arg, text = case
+    op, inputs = op_and_inputs(name)
+    bad = edit(inputs)
+    op(**bad)   # off by default: no check, no sync
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "1")
+    op(**inputs)
+    with raises_naming(arg, text):
+        op(**bad)
+
+
+def test_validate_allows_resets_and_the_beta_range(monkeypatch):
+    """g = -inf (a gate of exactly 0), g = 0 and beta at 0 and 2 are legal; just past them is not."""
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "1")
+    op, inputs = op_and_inputs("gated_deltanet")
+    inputs = _set("g", (0, 3, 1), float("-inf"))(_set("g", (0, 4, 1), 0.0)(inputs))
+    inputs = _set("beta", (0, 2, 0), 0.0)(_set("beta", (1, 2, 0), 2.0)(inputs))
+    op(**inputs)
+    with raises_naming("g", "got max 0.001 at [0, 4, 1]"):
+        op(**_set("g", (0, 4, 1), 1e-3)(inputs))
+    with raises_naming("beta", "got 2.001 at [1, 2, 0]"):
+        op(**_set("beta", (1, 2, 0), 2.001)(inputs))
+
+
+def test_validate_env_nonsense(monkeypatch):
+    op, inputs = op_and_inputs("mamba2")
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "yes")
+    with raises_naming("ATTNGEN_VALIDATE", "'yes'"):
+        op(**inputs)
