@@ -49,9 +49,21 @@ def _tensor(name: str, t, rank: int, expect: str) -> torch.Tensor:
     return t
 
 
+def _head_first(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """A hint when `got` is `want` with its time and head dims (1 and 2) swapped: a head-first
+    tensor next to time-major ones. (All inputs head-first with dims that fit cannot be told
+    from a time-major call: T and H are read swapped.)"""
+    if len(got) < 3 or len(got) != len(want) or got == want or (got[0], got[2], got[1], *got[3:]) != want:
+        return ""
+    return (f", which looks head-first ([B, H, T, ...]: time and heads swapped); attngen takes the time-major "
+            f"layout [B, T, H, ...]: use {name}.transpose(1, 2) (or transpose the others if they are the "
+            "head-first ones)")
+
+
 def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], expect: str) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}")
+        raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}"
+                         f"{_head_first(name, tuple(t.shape), shape)}")
 
 
 def _same(name: str, t: torch.Tensor, ref: torch.Tensor, dtype: bool = True) -> None:
@@ -106,7 +118,8 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
     _same("k", k, q)
     _tensor("v", v, 4, "[B, T, H, V]")
     if tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}"
+                         f"{_head_first('v', tuple(v.shape[:3]), (B, T, H))}")
     _same("v", v, q)
     V = v.shape[3]
     if T == 0 or K == 0 or V == 0 or H == 0 or B == 0:
@@ -150,14 +163,17 @@ def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> C
     _tensor("k", k, 4, "[B, Tk, H_kv, K]")
     Tk, Hkv = k.shape[1], k.shape[2]
     if Hkv == 0 or H % Hkv:
+        # k head-first, [B, H_kv, Tk, K], would have its heads in dim 1
+        hint = _head_first("k", (B, Hkv, Tk), (B, Tk, Hkv)) if Tk and H % Tk == 0 else ""
         raise ValueError(f"k: its heads H_kv = {Hkv} must divide the query heads H = {H} (grouped-query "
                          f"attention: H // H_kv query heads share a key / value head); got k {_shape(k)}, "
-                         f"q {_shape(q)}")
+                         f"q {_shape(q)}{hint}")
     _expect("k", k, (B, Tk, Hkv, K), "[B, Tk, H_kv, K]")
     _same("k", k, q)
     _tensor("v", v, 4, "[B, Tk, H_kv, V]")
     if tuple(v.shape[:3]) != (B, Tk, Hkv):
-        raise ValueError(f"v: expected shape [B, Tk, H_kv, V] = [{B}, {Tk}, {Hkv}, V] (that of k), got {_shape(v)}")
+        raise ValueError(f"v: expected shape [B, Tk, H_kv, V] = [{B}, {Tk}, {Hkv}, V] (that of k), got {_shape(v)}"
+                         f"{_head_first('v', tuple(v.shape[:3]), (B, Tk, Hkv))}")
     _same("v", v, q)
     V = v.shape[3]
     if min(B, Tq, H, K, V) == 0:

@@ -85,16 +85,32 @@ BAD_LINEAR = [
      put("initial_state", lambda a: a["initial_state"][..., :-1]), "initial_state", "V + 1"),
     ("initial_state_features", "performer", put("initial_state", lambda a: a["initial_state"][:, :, :K]),
      "initial_state", "[N, H, F, V]"),
+    # one input head-first [B, H, T, D] among time-major ones: the error says so
+    ("k_head_first", "gated_deltanet", put("k", lambda a: a["k"].transpose(1, 2)), "k",
+     "looks head-first", "k.transpose(1, 2)"),
+    ("v_head_first", "mamba2", put("v", lambda a: a["v"].transpose(1, 2)), "v", "looks head-first", "v.transpose(1, 2)"),
+    ("g_head_first", "mamba2", put("g", lambda a: a["g"].transpose(1, 2)), "g", "looks head-first", "time-major"),
+    ("g_vector_head_first", "gla", put("g", lambda a: a["g"].transpose(1, 2)), "g", "g.transpose(1, 2)"),
+    ("beta_head_first", "deltanet", put("beta", lambda a: a["beta"].transpose(1, 2)), "beta", "looks head-first"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD_LINEAR, ids=[c[0] for c in BAD_LINEAR])
 def test_bad_linear_input_names_the_argument(case):
-    _, name, edit, arg, text = case
+    _, name, edit, arg, *text = case
     op, inputs = op_and_inputs(name)
     op(**inputs)  # the unedited call is valid
-    with raises_naming(arg, text):
+    with raises_naming(arg, *text):
         op(**edit(inputs))
+
+
+@pytest.mark.parametrize("arg", ["k", "v"])
+def test_softmax_head_first_hint(arg):
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=B, q_len=T, heads=4, head_dim=K, value_dim=V))
+    op(**inputs)
+    bad = {n: t.transpose(1, 2) if n == arg else t for n, t in inputs.items()}
+    with raises_naming(arg, "looks head-first"):
+        op(**bad)
 
 
 PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=K, value_dim=V, cu_seqlens=(0, 5, 6, 12))
