@@ -251,9 +251,21 @@ def _attach_autograd(op: Op, module) -> None:
         ctx.rest = inputs[len(names):]
 
     def backward(ctx, *grads):
-        if any(gr is not None and gr.requires_grad for gr in grads):
-            raise RuntimeError(f"attngen op {op.spec.name!r}: double backward (create_graph=True) is not "
-                               "supported by the kernels; use ATTNGEN_BACKEND=torch for higher-order gradients")
+        if not torch.is_grad_enabled():
+            return first_order(ctx, *grads)
+        # create_graph=True: the gradients are computed once, without a graph, and handed back
+        # through a node that raises attngen's error only if they are differentiated again (a
+        # create_graph backward that never goes further, e.g. a penalty on other parameters,
+        # still works).
+        with torch.no_grad():
+            got = first_order(ctx, *grads)
+        message = (f"attngen op {op.spec.name!r}: double backward (differentiating its gradients, "
+                   "create_graph=True) is not supported by the kernels; use ATTNGEN_BACKEND=torch for "
+                   "higher-order gradients")
+        marked = [t.detach().requires_grad_(True) if t is not None else None for t in got]
+        return torch._C._functions.DelayedError(message.encode(), len(marked))(*marked)
+
+    def first_order(ctx, *grads):
         saved_inputs, outputs = ctx.saved_tensors[: len(names)], ctx.saved_tensors[len(names):]
         form = ctx.rest[1] if op.spec.is_linear else "parallel"
         if form in kernel_forms:

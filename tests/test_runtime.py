@@ -440,3 +440,23 @@ def test_validate_env_nonsense(monkeypatch):
     monkeypatch.setenv("ATTNGEN_VALIDATE", "yes")
     with raises_naming("ATTNGEN_VALIDATE", "'yes'"):
         op(**inputs)
+
+
+# --------------------------------------------------------------------------- double backward
+
+@pytest.mark.parametrize("name", ["mamba2", "linear_bidirectional", "softmax_causal"])
+def test_double_backward_through_kernels_names_the_op(triton_backend, name):
+    """Generated backward kernels (mamba2, softmax) and the recomputed PyTorch fallback
+    (bidirectional): create_graph=True gives the first-order gradients; differentiating them
+    again raises attngen's error, naming the op and the way out."""
+    op = attngen.load(f"specs/{name}.yaml")
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=8, heads=2, head_dim=16, value_dim=16), seed=0,
+                           dtype=torch.float32, initial_state=False)
+    q = inputs["q"].requires_grad_(True)
+    out = op(**inputs)
+    o = out[0] if isinstance(out, tuple) else out
+    (plain,) = torch.autograd.grad(o.square().sum(), q, retain_graph=True)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    assert torch.equal(dq.detach(), plain)
+    with pytest.raises(RuntimeError, match=rf"attngen op '{name}': double backward.*ATTNGEN_BACKEND=torch"):
+        dq.sum().backward()
