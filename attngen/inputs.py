@@ -60,6 +60,15 @@ def _head_first(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
             "head-first ones)")
 
 
+def _device(name: str, t: torch.Tensor) -> None:
+    """A CUDA tensor where torch cannot run CUDA would fail deep in torch (an AssertionError
+    from its lazy CUDA init) or in a kernel launch; the other inputs must be on q's device."""
+    if t.device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None \
+            else "torch sees no CUDA device (torch.cuda.is_available() is False)"
+        raise ValueError(f"{name}: a CUDA tensor ({t.device}), but {why}; allowed: CPU tensors here")
+
+
 def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], expect: str) -> None:
     if tuple(t.shape) != shape:
         raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}"
@@ -112,6 +121,7 @@ def packed_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
 
 def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None) -> Call:
     q = _tensor("q", q, 4, "[B, T, H, K]")
+    _device("q", q)
     B, T, H, K = q.shape
     _tensor("k", k, 4, "[B, T, H, K]")
     _expect("k", k, (B, T, H, K), "[B, T, H, K]")
@@ -159,6 +169,7 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
 
 def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> Call:
     q = _tensor("q", q, 4, "[B, Tq, H, K]")
+    _device("q", q)
     B, Tq, H, K = q.shape
     _tensor("k", k, 4, "[B, Tk, H_kv, K]")
     Tk, Hkv = k.shape[1], k.shape[2]

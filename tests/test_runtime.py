@@ -460,3 +460,27 @@ def test_double_backward_through_kernels_names_the_op(triton_backend, name):
     assert torch.equal(dq.detach(), plain)
     with pytest.raises(RuntimeError, match=rf"attngen op '{name}': double backward.*ATTNGEN_BACKEND=torch"):
         dq.sum().backward()
+
+
+# --------------------------------------------------------------------------- CUDA tensors without CUDA
+
+class _ClaimsCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: what the input checks see of a CUDA tensor on a
+    machine whose torch cannot run it (one cannot be made there)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("cuda_build", [None, "12.8"])
+@pytest.mark.parametrize("name", ["mamba2", "softmax_causal"])
+def test_cuda_tensor_without_cuda(monkeypatch, name, cuda_build):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    op, inputs = op_and_inputs(name)
+    q = torch.Tensor._make_subclass(_ClaimsCuda, inputs["q"])
+    assert q.device.type == "cuda"
+    why = "no CUDA support (torch.version.cuda is None)" if cuda_build is None else "torch.cuda.is_available()"
+    with raises_naming("q", "a CUDA tensor", why):
+        op(**{**inputs, "q": q})
