@@ -103,7 +103,8 @@ def parse_feature_expr(text: str) -> sp.Expr:
     # A map is only legal if both back ends can print it and its derivative (the backward
     # pass needs phi'); e.g. a Piecewise without a final (value, True) piece cannot be.
     try:
-        for e in (expr, derivative(expr)):
+        d = derivative(expr)
+        for e in (expr, d):
             torch_source(e)
             triton_source(e)
     except ValueError as err:
@@ -111,7 +112,81 @@ def parse_feature_expr(text: str) -> sp.Expr:
     except RecursionError:  # the bounds above should keep it from happening; never a traceback
         raise ValueError(f"value {show_value(text)} is too deeply nested to compile; allowed: {_ALLOWED_TEXT}, "
                          f"nested at most {MAX_EXPR_DEPTH} deep") from None
+    _check_domain(expr, d, text)
     return expr
+
+
+# --------------------------------------------------------------------------- domain
+
+# A feature map must be real and finite, with a finite derivative (the backward evaluates
+# phi'), at every real x: log(x), sqrt(x), x**0.5, 1/x, log(x - 1) and Abs(x)**0.5 (whose
+# derivative is infinite at 0) would give NaN or Inf for part of the inputs. Sympy cannot
+# decide this for every expression in bounded time, so it is probed where such maps fail: in
+# float64, as the PyTorch forms print it, at 0, at tiny and moderate magnitudes, on a grid of
+# [-PROBE_RANGE, PROBE_RANGE], and at the real roots of every polynomial under a log, a root
+# or a negative power (where a pole or the edge of a domain sits). Overflow within the range
+# counts too (exp(exp(x)) is refused; exp(x**2) passes, 5e173 at x = 20).
+PROBE_RANGE = 20.0
+_PROBE_GRID_STEP = 0.05
+_MAX_ROOT_DEGREE = 6
+
+
+def _probe_points(exprs) -> "np.ndarray":
+    import numpy as np
+    special = [0.0, 5e-324, 1e-300, 1e-12, 1e-6, 1e-3, 0.1, 0.5, 1.0, 2.0, math.e, math.pi, PROBE_RANGE]
+    grid = np.arange(-PROBE_RANGE, PROBE_RANGE + _PROBE_GRID_STEP / 2, _PROBE_GRID_STEP)
+    roots = []
+    for e in exprs:
+        for node in sp.preorder_traversal(e):
+            if isinstance(node, sp.log):
+                arg = node.args[0]
+            elif isinstance(node, sp.Pow) and not (node.exp.is_Integer and node.exp > 0):
+                arg = node.base
+            else:
+                continue
+            try:
+                poly = sp.Poly(arg, x)
+            except sp.PolynomialError:
+                continue
+            if 0 < poly.degree() <= _MAX_ROOT_DEGREE:
+                coeffs = [float(c) for c in poly.all_coeffs()]
+                roots += [r.real for r in np.roots(coeffs) if abs(r.imag) < 1e-12 and math.isfinite(r.real)]
+    return np.concatenate([np.array(special), -np.array(special), grid, np.array(roots)])
+
+
+class _NumpyTorch:
+    """The torch functions the printer emits, on float64 numpy arrays: NaN and Inf as torch
+    gives them (both branches of a where evaluated, the untaken one dropped)."""
+
+    def __getattr__(self, name):
+        import numpy as np
+        return getattr(np, name)
+
+    @staticmethod
+    def clamp(a, min=None, max=None):
+        import numpy as np
+        return np.clip(a, min, max)
+
+    @staticmethod
+    def pow(a, b):
+        import numpy as np
+        return np.power(a, b)
+
+
+def _check_domain(expr: sp.Expr, d: sp.Expr, text: str) -> None:
+    import numpy as np
+    pts = _probe_points((expr, d))
+    for what, e in (("", expr), ("its derivative " + str(d) + " ", d)):
+        fn = eval(compile(f"lambda x: {torch_source(e)}", "<attngen domain probe>", "eval"), {"torch": _NumpyTorch()})
+        with np.errstate(all="ignore"):
+            values = np.broadcast_to(np.asarray(fn(pts), dtype=np.float64), pts.shape)
+        bad = ~np.isfinite(values)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"value {show_value(text)} is not a feature map on all real x: {what}gives "
+                             f"{float(values[i])} at x = {float(pts[i])!r}; allowed: {_ALLOWED_TEXT}, real and finite with a "
+                             f"finite derivative for every real x (e.g. log(1 + exp(x)) rather than log(x), "
+                             f"sqrt(x**2 + 1) rather than sqrt(x))")
 
 
 class _TooLarge(Exception):

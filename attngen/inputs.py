@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 
 import torch
 
@@ -48,9 +49,30 @@ def _tensor(name: str, t, rank: int, expect: str) -> torch.Tensor:
     return t
 
 
+def _head_first(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
+    """A hint when `got` is `want` with its time and head dims (1 and 2) swapped: a head-first
+    tensor next to time-major ones. (All inputs head-first with dims that fit cannot be told
+    from a time-major call: T and H are read swapped.)"""
+    if len(got) < 3 or len(got) != len(want) or got == want or (got[0], got[2], got[1], *got[3:]) != want:
+        return ""
+    return (f", which looks head-first ([B, H, T, ...]: time and heads swapped); attngen takes the time-major "
+            f"layout [B, T, H, ...]: use {name}.transpose(1, 2) (or transpose the others if they are the "
+            "head-first ones)")
+
+
+def _device(name: str, t: torch.Tensor) -> None:
+    """A CUDA tensor where torch cannot run CUDA would fail deep in torch (an AssertionError
+    from its lazy CUDA init) or in a kernel launch; the other inputs must be on q's device."""
+    if t.device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None \
+            else "torch sees no CUDA device (torch.cuda.is_available() is False)"
+        raise ValueError(f"{name}: a CUDA tensor ({t.device}), but {why}; allowed: CPU tensors here")
+
+
 def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], expect: str) -> None:
     if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}")
+        raise ValueError(f"{name}: expected shape {expect} = [{', '.join(map(str, shape))}], got {_shape(t)}"
+                         f"{_head_first(name, tuple(t.shape), shape)}")
 
 
 def _same(name: str, t: torch.Tensor, ref: torch.Tensor, dtype: bool = True) -> None:
@@ -99,13 +121,15 @@ def packed_offsets(cu_seqlens: torch.Tensor | None) -> torch.Tensor | None:
 
 def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_state=None, cu_seqlens=None) -> Call:
     q = _tensor("q", q, 4, "[B, T, H, K]")
+    _device("q", q)
     B, T, H, K = q.shape
     _tensor("k", k, 4, "[B, T, H, K]")
     _expect("k", k, (B, T, H, K), "[B, T, H, K]")
     _same("k", k, q)
     _tensor("v", v, 4, "[B, T, H, V]")
     if tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}"
+                         f"{_head_first('v', tuple(v.shape[:3]), (B, T, H))}")
     _same("v", v, q)
     V = v.shape[3]
     if T == 0 or K == 0 or V == 0 or H == 0 or B == 0:
@@ -145,18 +169,22 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
 
 def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> Call:
     q = _tensor("q", q, 4, "[B, Tq, H, K]")
+    _device("q", q)
     B, Tq, H, K = q.shape
     _tensor("k", k, 4, "[B, Tk, H_kv, K]")
     Tk, Hkv = k.shape[1], k.shape[2]
     if Hkv == 0 or H % Hkv:
+        # k head-first, [B, H_kv, Tk, K], would have its heads in dim 1
+        hint = _head_first("k", (B, Hkv, Tk), (B, Tk, Hkv)) if Tk and H % Tk == 0 else ""
         raise ValueError(f"k: its heads H_kv = {Hkv} must divide the query heads H = {H} (grouped-query "
                          f"attention: H // H_kv query heads share a key / value head); got k {_shape(k)}, "
-                         f"q {_shape(q)}")
+                         f"q {_shape(q)}{hint}")
     _expect("k", k, (B, Tk, Hkv, K), "[B, Tk, H_kv, K]")
     _same("k", k, q)
     _tensor("v", v, 4, "[B, Tk, H_kv, V]")
     if tuple(v.shape[:3]) != (B, Tk, Hkv):
-        raise ValueError(f"v: expected shape [B, Tk, H_kv, V] = [{B}, {Tk}, {Hkv}, V] (that of k), got {_shape(v)}")
+        raise ValueError(f"v: expected shape [B, Tk, H_kv, V] = [{B}, {Tk}, {Hkv}, V] (that of k), got {_shape(v)}"
+                         f"{_head_first('v', tuple(v.shape[:3]), (B, Tk, Hkv))}")
     _same("v", v, q)
     V = v.shape[3]
     if min(B, Tq, H, K, V) == 0:
@@ -176,3 +204,53 @@ def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> C
         raise ValueError(f"cu_seqlens: packed sequences need Tq == Tk, got Tq = {Tq}, Tk = {Tk}")
     N, max_len = _sequences(cu_seqlens, q, B, Tk)
     return Call(B, Tq, Tk, H, K, V, K, N, max_len, _scale(spec, scale, K), varlen, Hkv)
+
+
+def validating() -> bool:
+    """ATTNGEN_VALIDATE=1: check input values too (validate_values). Off by default: each check
+    reads a reduction back to the host, a device sync on every call."""
+    value = os.environ.get("ATTNGEN_VALIDATE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"ATTNGEN_VALIDATE: value {value!r} is not allowed; allowed: 0 (default), 1")
+    return value == "1"
+
+
+def _where(t: torch.Tensor, flat: int) -> str:
+    return "[" + ", ".join(str(int(i)) for i in torch.unravel_index(torch.tensor(flat), t.shape)) + "]"
+
+
+def _finite(name: str, t: torch.Tensor | None, allow_neg_inf: bool = False) -> None:
+    if t is None:
+        return
+    bad = torch.isnan(t) | (t == float("inf")) if allow_neg_inf else ~torch.isfinite(t)
+    if bool(bad.any()):
+        flat = int(bad.flatten().nonzero()[0])
+        allowed = "finite values or -inf (a reset: gate 0)" if allow_neg_inf else "finite values"
+        raise ValueError(f"{name}: expected {allowed}, got {t.flatten()[flat].item()} at {_where(t, flat)}")
+
+
+# The delta rule's step: S <- S (I - beta k k^T) + ..., which contracts for unit-norm keys only
+# while 0 <= beta <= 2 (the eigenvalue along k is 1 - beta).
+BETA_RANGE = (0.0, 2.0)
+
+
+def validate_values(q, k, v, g=None, beta=None, initial_state=None) -> None:
+    """The value checks of ATTNGEN_VALIDATE=1, after the shape checks: q, k, v, beta and the
+    initial state finite; g (log decay) NaN-free and <= 0, -inf allowed (a gate exp(g) = 0);
+    beta in BETA_RANGE."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("beta", beta), ("initial_state", initial_state)):
+        _finite(name, t)
+    _finite("g", g, allow_neg_inf=True)
+    if g is not None:
+        top = g.max()
+        if bool(top > 0):
+            flat = int(g.flatten().argmax())
+            raise ValueError(f"g: log decay must be <= 0 (a gate exp(g) <= 1); got max {top.item():g} at "
+                             f"{_where(g, flat)}")
+    if beta is not None:
+        lo, hi = BETA_RANGE
+        bad = (beta < lo) | (beta > hi)
+        if bool(bad.any()):
+            flat = int(bad.flatten().nonzero()[0])
+            raise ValueError(f"beta: expected values in [{lo:g}, {hi:g}] (the delta rule contracts the state for "
+                             f"unit keys only there), got {beta.flatten()[flat].item():g} at {_where(beta, flat)}")

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import torch
 
 from . import algebra, codegen, forms, planner
-from .inputs import Call, check_linear, check_softmax, packed_offsets
+from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -83,6 +83,8 @@ class Op:
                 raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of "
                                  "these (they are for attention: linear)")
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        if validating():
+            validate_values(q, k, v, g, beta, initial_state)
         cu_seqlens = packed_offsets(cu_seqlens)
         choice = self.choose(call, form, chunk_size)
         if _use_kernels(self.spec, q):
@@ -255,9 +257,21 @@ def _attach_autograd(op: Op, module) -> None:
         ctx.rest = inputs[len(names):]
 
     def backward(ctx, *grads):
-        if any(gr is not None and gr.requires_grad for gr in grads):
-            raise RuntimeError(f"attngen op {op.spec.name!r}: double backward (create_graph=True) is not "
-                               "supported by the kernels; use ATTNGEN_BACKEND=torch for higher-order gradients")
+        if not torch.is_grad_enabled():
+            return first_order(ctx, *grads)
+        # create_graph=True: the gradients are computed once, without a graph, and handed back
+        # through a node that raises attngen's error only if they are differentiated again (a
+        # create_graph backward that never goes further, e.g. a penalty on other parameters,
+        # still works).
+        with torch.no_grad():
+            got = first_order(ctx, *grads)
+        message = (f"attngen op {op.spec.name!r}: double backward (differentiating its gradients, "
+                   "create_graph=True) is not supported by the kernels; use ATTNGEN_BACKEND=torch for "
+                   "higher-order gradients")
+        marked = [t.detach().requires_grad_(True) if t is not None else None for t in got]
+        return torch._C._functions.DelayedError(message.encode(), len(marked))(*marked)
+
+    def first_order(ctx, *grads):
         saved_inputs, outputs = ctx.saved_tensors[: len(names)], ctx.saved_tensors[len(names):]
         form = ctx.rest[1] if op.spec.is_linear else "parallel"
         if form in kernel_forms:

@@ -85,16 +85,32 @@ BAD_LINEAR = [
      put("initial_state", lambda a: a["initial_state"][..., :-1]), "initial_state", "V + 1"),
     ("initial_state_features", "performer", put("initial_state", lambda a: a["initial_state"][:, :, :K]),
      "initial_state", "[N, H, F, V]"),
+    # one input head-first [B, H, T, D] among time-major ones: the error says so
+    ("k_head_first", "gated_deltanet", put("k", lambda a: a["k"].transpose(1, 2)), "k",
+     "looks head-first", "k.transpose(1, 2)"),
+    ("v_head_first", "mamba2", put("v", lambda a: a["v"].transpose(1, 2)), "v", "looks head-first", "v.transpose(1, 2)"),
+    ("g_head_first", "mamba2", put("g", lambda a: a["g"].transpose(1, 2)), "g", "looks head-first", "time-major"),
+    ("g_vector_head_first", "gla", put("g", lambda a: a["g"].transpose(1, 2)), "g", "g.transpose(1, 2)"),
+    ("beta_head_first", "deltanet", put("beta", lambda a: a["beta"].transpose(1, 2)), "beta", "looks head-first"),
 ]
 
 
 @pytest.mark.parametrize("case", BAD_LINEAR, ids=[c[0] for c in BAD_LINEAR])
 def test_bad_linear_input_names_the_argument(case):
-    _, name, edit, arg, text = case
+    _, name, edit, arg, *text = case
     op, inputs = op_and_inputs(name)
     op(**inputs)  # the unedited call is valid
-    with raises_naming(arg, text):
+    with raises_naming(arg, *text):
         op(**edit(inputs))
+
+
+@pytest.mark.parametrize("arg", ["k", "v"])
+def test_softmax_head_first_hint(arg):
+    op, inputs = op_and_inputs("softmax_causal", Shape(batch=B, q_len=T, heads=4, head_dim=K, value_dim=V))
+    op(**inputs)
+    bad = {n: t.transpose(1, 2) if n == arg else t for n, t in inputs.items()}
+    with raises_naming(arg, "looks head-first"):
+        op(**bad)
 
 
 PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=K, value_dim=V, cu_seqlens=(0, 5, 6, 12))
@@ -363,3 +379,108 @@ def test_low_precision_dtypes(name, dtype):
         assert o.dtype == dtype and o.shape == (2, 40, 2, 6) and torch.isfinite(o).all()
     bad = [r for r in compare(op.spec, op, inputs, dtype) if not r[1] <= r[2]]
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------- ATTNGEN_VALIDATE
+
+def _set(name, index, value):
+    def edit(a):
+        t = a[name].clone()
+        t[index] = value
+        return {**a, name: t}
+    return edit
+
+
+BAD_VALUES = [
+    # (id, spec, edit of the valid inputs, argument named, text the message must also hold)
+    ("g_positive", "gated_deltanet", _set("g", (1, 4, 2), 0.37), "g",
+     "log decay must be <= 0 (a gate exp(g) <= 1); got max 0.37 at [1, 4, 2]"),
+    ("g_positive_constant", "retnet", _set("g", (1,), 0.5), "g", "got max 0.5 at [1]"),
+    ("g_positive_softmax", "forgetting_attention", _set("g", (0, 3, 1), 2.0), "g", "at [0, 3, 1]"),
+    ("g_nan", "mamba2", _set("g", (0, 2, 1), float("nan")), "g", "nan at [0, 2, 1]"),
+    ("g_plus_inf", "mamba2", _set("g", (0, 2, 1), float("inf")), "g", "inf at [0, 2, 1]"),
+    ("q_nan", "gated_deltanet", _set("q", (0, 1, 2, 3), float("nan")), "q", "nan at [0, 1, 2, 3]"),
+    ("k_inf", "linear_transformer", _set("k", (1, 0, 0, 0), float("-inf")), "k", "-inf at [1, 0, 0, 0]"),
+    ("v_nan", "softmax_causal", _set("v", (0, 0, 0, 1), float("nan")), "v", "finite"),
+    ("beta_nan", "deltanet", _set("beta", (0, 5, 1), float("nan")), "beta", "nan at [0, 5, 1]"),
+    ("beta_negative", "deltanet", _set("beta", (0, 5, 1), -0.1), "beta", "[0, 2]"),
+    ("beta_above_two", "gated_deltanet", _set("beta", (1, 9, 0), 2.5), "beta", "got 2.5 at [1, 9, 0]"),
+    ("initial_state_nan", "gated_deltanet", _set("initial_state", (0, 0, 0, 0), float("nan")), "initial_state",
+     "nan"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=[c[0] for c in BAD_VALUES])
+def test_validate_names_the_bad_value(monkeypatch, case):
+    _, name, edit, arg, text = case
+    op, inputs = op_and_inputs(name)
+    bad = edit(inputs)
+    op(**bad)   # off by default: no check, no sync
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "1")
+    op(**inputs)
+    with raises_naming(arg, text):
+        op(**bad)
+
+
+def test_validate_allows_resets_and_the_beta_range(monkeypatch):
+    """g = -inf (a gate of exactly 0), g = 0 and beta at 0 and 2 are legal; just past them is not."""
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "1")
+    op, inputs = op_and_inputs("gated_deltanet")
+    inputs = _set("g", (0, 3, 1), float("-inf"))(_set("g", (0, 4, 1), 0.0)(inputs))
+    inputs = _set("beta", (0, 2, 0), 0.0)(_set("beta", (1, 2, 0), 2.0)(inputs))
+    op(**inputs)
+    with raises_naming("g", "got max 0.001 at [0, 4, 1]"):
+        op(**_set("g", (0, 4, 1), 1e-3)(inputs))
+    with raises_naming("beta", "got 2.001 at [1, 2, 0]"):
+        op(**_set("beta", (1, 2, 0), 2.001)(inputs))
+
+
+def test_validate_env_nonsense(monkeypatch):
+    op, inputs = op_and_inputs("mamba2")
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "yes")
+    with raises_naming("ATTNGEN_VALIDATE", "'yes'"):
+        op(**inputs)
+
+
+# --------------------------------------------------------------------------- double backward
+
+@pytest.mark.parametrize("name", ["mamba2", "linear_bidirectional", "softmax_causal"])
+def test_double_backward_through_kernels_names_the_op(triton_backend, name):
+    """Generated backward kernels (mamba2, softmax) and the recomputed PyTorch fallback
+    (bidirectional): create_graph=True gives the first-order gradients; differentiating them
+    again raises attngen's error, naming the op and the way out."""
+    op = attngen.load(f"specs/{name}.yaml")
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=8, heads=2, head_dim=16, value_dim=16), seed=0,
+                           dtype=torch.float32, initial_state=False)
+    q = inputs["q"].requires_grad_(True)
+    out = op(**inputs)
+    o = out[0] if isinstance(out, tuple) else out
+    (plain,) = torch.autograd.grad(o.square().sum(), q, retain_graph=True)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    assert torch.equal(dq.detach(), plain)
+    with pytest.raises(RuntimeError, match=rf"attngen op '{name}': double backward.*ATTNGEN_BACKEND=torch"):
+        dq.sum().backward()
+
+
+# --------------------------------------------------------------------------- CUDA tensors without CUDA
+
+class _ClaimsCuda(torch.Tensor):
+    """A CPU tensor that reports a CUDA device: what the input checks see of a CUDA tensor on a
+    machine whose torch cannot run it (one cannot be made there)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("cuda_build", [None, "12.8"])
+@pytest.mark.parametrize("name", ["mamba2", "softmax_causal"])
+def test_cuda_tensor_without_cuda(monkeypatch, name, cuda_build):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    op, inputs = op_and_inputs(name)
+    q = torch.Tensor._make_subclass(_ClaimsCuda, inputs["q"])
+    assert q.device.type == "cuda"
+    why = "no CUDA support (torch.version.cuda is None)" if cuda_build is None else "torch.cuda.is_available()"
+    with raises_naming("q", "a CUDA tensor", why):
+        op(**{**inputs, "q": q})

@@ -232,6 +232,15 @@ BAD = [
     ("expr_nested_exp", y(*EXPR, "  expr: " + "exp(" * 150 + "x" + ")" * 150), "feature_map.expr",
      "(751 characters)", 4),
     ("expr_deep_tree", y(*EXPR, "  expr: x" + "**x" * 40), "feature_map.expr", "(121 characters)", 4),
+    # feature maps outside their domain for part of the reals (NaN, Inf, or an infinite derivative)
+    ("expr_log", y(*EXPR, "  expr: log(x)"), "feature_map.expr", "'log(x)' is not a feature map on all real x", 4),
+    ("expr_half_power", y(*EXPR, "  expr: x**0.5"), "feature_map.expr", "'x**0.5' is not a feature map", 4),
+    ("expr_sqrt", y(*EXPR, "  expr: sqrt(x)"), "feature_map.expr", "gives nan at x = -5e-324", 4),
+    ("expr_pole", y(*EXPR, "  expr: 1/x"), "feature_map.expr", "'1/x' is not a feature map", 4),
+    ("expr_pole_off_grid", y(*EXPR, "  expr: 1/(x - 0.3)"), "feature_map.expr", "gives inf at x = 0.3", 4),
+    ("expr_log_shifted", y(*EXPR, "  expr: log(x - 1)"), "feature_map.expr", "'log(x - 1)' is not a", 4),
+    ("expr_cube_root", y(*EXPR, "  expr: x**(1/3)"), "feature_map.expr", "'x**(1/3)' is not a", 4),
+    ("expr_infinite_derivative", y(*EXPR, "  expr: Abs(x)**0.5"), "feature_map.expr", "its derivative", 4),
     ("expr_too_long", y(*EXPR, "  expr: " + "x+" * 600 + "x"), "feature_map.expr", "(1201 characters)", 4),
     ("expr_too_many_terms", y(*EXPR, "  expr: " + "+".join(["x*x"] * 200)), "feature_map.expr",
      "(799 characters)", 4),
@@ -497,7 +506,8 @@ def test_limits_hold_at_their_edges():
         parse_spec(y("name: " + "a" * 65, "attention: linear"), "bad.yaml")
     with pytest.raises(SpecError, match=f"from 0 to {seed}"):
         parse_spec(y(*FAVOR, f"  seed: {seed + 1}"), "bad.yaml")
-    nested = "exp(" * 10 + "x" + ")" * 10
+    # exp(-exp(-...)): a tower of exp overflows float64 (refused as not finite)
+    nested = "exp(-" * 10 + "x" + ")" * 10
     assert parse_spec(y(*EXPR, f"  expr: {nested}"), "ok.yaml").feature_expr == nested
 
 
@@ -530,7 +540,7 @@ def test_product_of_piecewise_maps_loads_quickly():
 
 @pytest.mark.parametrize("expr", [
     "Max(" + ",".join(f"{i}*x+{i}" for i in range(7)) + ",Min(" + ",".join(f"{i}*x-{i}" for i in range(8)) + "))",
-    "exp(" * 10 + "x" + ")" * 10,
+    "exp(-" * 10 + "x" + ")" * 10,
     "*".join(f"Piecewise((x+{i}, x > {i}), (sin(x), True))" for i in range(12)),
 ])
 def test_expressions_within_the_limits_load_quickly(expr):
