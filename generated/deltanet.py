@@ -409,10 +409,10 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # (W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
 # fp16's range is too short for them: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
-# The keys of the state update are stored by chunked_ut_kernel rather than featurized and decayed
-# in the state pass: the same bytes read per chunk (the stored keys in place of k), one more write
-# of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no l2
-# norm, feature map or float64 cumsum on its critical path.
+# The keys of the state update are stored by the chunk-parallel pass rather than featurized and
+# decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
+# write of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no
+# l2 norm, feature map or float64 cumsum on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -635,10 +635,11 @@ def chunked_ut_kernel(
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BT] (0 on padded tokens)
-    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+
     # [BT, BF] the keys of the state update
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
+    # [BT] (0 on padded tokens)
+    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BF] diag(β) K
     b_y = b_k * b_beta[:, None]
     # [BT, BT]
@@ -705,10 +706,11 @@ def chunked_states_kernel(
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        # [BT, BF] W and [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: dot operands as stored (their
-        # loads feed the dots with no conversion)
-        b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        # [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: a dot operand as stored (the load feeds the dot
+        # with no conversion)
         b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT, BF] W, as stored
+        b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
         # [BT, BV] the values the chunk's delta updates write: U = U0 - W S. U0 is subtracted from the
         # product, not its accumulator: so Triton 3.6 prefetches it with W and the keys (a dot's
         # accumulator, it was a plain load in the loop that the dot waited on)
@@ -875,7 +877,7 @@ def chunked_fwd_chunk(chunk, dtype, BF):
 
 
 def chunked_pass_dtype(dtype):
-    """The dtype of the tiles chunked_ut_kernel hands to the later passes (W, K ⊙ Γ_C/Γ, U): bf16
+    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
     half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
     (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""

@@ -380,20 +380,27 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
-# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in two
+# Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
 # passes over chunks of BT tokens:
-#   1. chunked_states_kernel, sequential (per value block and sequence x head, the state
+#   1. chunked_keys_kernel, chunk-parallel (per chunk slot and head): the keys of the state update,
+#      K ⊙ Γ_C/Γ, and Γ_C (the feature map applied): the additive rule's chunk-local work
+#   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U (U = V); only matrix products run in this loop
-#   2. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
+#   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
 #      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
-# padded tokens give zero features).
+# padded tokens give zero features); the state pass reads the keys chunked_keys_kernel stored.
 # G [BT] is the cumulative log decay inside the chunk, in float64: only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
-# Memory: the chunk-start states [chunk slots, H, F, VS] float32
+# Memory: the chunk-start states [chunk slots, H, F, VS] float32,
+# K ⊙ Γ_C/Γ [B, T, H, F], Γ_C [chunk slots, H] float32 (bf16 for bf16 inputs, else float32: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
+# The keys of the state update are stored by the chunk-parallel pass rather than featurized and
+# decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
+# write of T F per head in the chunk-parallel pass, and the sequential loop left with one dot, no
+# l2 norm, feature map or float64 cumsum on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -434,6 +441,57 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
 
 
 @triton.jit
+def chunked_keys_kernel(
+    # pointers
+    k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
+    # (feature map, ⊙ Γ_C/Γ) and Γ_C, so the sequential pass only multiplies
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+
+    # [BT, BK] -> [BT, BF]
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C (slot i_s)
+    tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest[:, None]).to(kr.dtype.element_ty), mask=m_tf)
+    tl.store(gc + i_s.to(tl.int64) * H + i_h, b_gam_C)
+
+
+@triton.jit
 def chunked_states_kernel(
     # pointers
     k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
@@ -445,7 +503,8 @@ def chunked_states_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # one program per (value block, sequence x head): the sequential pass over the chunks
+    # one program per (value block, sequence x head): the sequential pass over the chunks, from
+    # chunked_keys_kernel's K ⊙ Γ_C/Γ and Γ_C
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -481,21 +540,14 @@ def chunked_states_kernel(
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] the keys transposed by the load
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-
-        # [BT, BV]
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
-        b_G = tl.cumsum(b_g, 0)
-        b_GC = tl.sum(b_g, 0)
-        # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-        b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-        b_gam_C = tl.exp(b_GC.to(tl.float32))
-        b_u = b_v
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: a dot operand as stored (the load feeds the dot
+        # with no conversion)
+        b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] the additive rule writes the values
+        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_kt_rest = b_kt * b_gam_rest[None, :]
+        b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C)
 
     if STORE_HT:
@@ -662,8 +714,16 @@ def chunked_fwd_chunk(chunk, dtype, BF):
     return min(chunk, 32) if dtype == torch.float32 and BF > 128 else chunk
 
 
+def chunked_pass_dtype(dtype):
+    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
+    for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
+    half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
+    (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
-    """The UT transform (none: additive rule) and the sequential pass: ->
+    """The keys (chunked_keys_kernel) and the sequential pass: ->
     (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
     final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
     n_slots). Shared by the forward and the backward."""
@@ -674,9 +734,16 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     f32 = dict(device=q.device, dtype=torch.float32)
     meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
                 DOT_PRECISION=chunked_dot_precision(q.dtype))
-    ai = w = kr = gc = u = None
-    # the tiles one chunk loads: k transposed, v
-    stage_bytes = chunk * (BK + BV) * q.element_size()
+    ai = w = u = None
+    # the keys K ⊙ Γ_C/Γ; Γ_C per chunk slot
+    kr = torch.empty(B, T, H, F, device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    gc = torch.empty(n_slots, H, **f32)
+    chunked_keys_kernel[(n_slots, H)](
+        k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG,
+    )
+    # the tiles one chunk loads: the keys transposed and v
+    stage_bytes = chunk * (BF * kr.element_size() + BV * v.element_size())
     h = torch.empty(n_slots, H, F, VS, **f32)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
