@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -102,7 +103,8 @@ def _fallback_cache(directory: Path, error: OSError) -> Path:
 # Generated modules by import name (spec name and hash), imported once per process and never
 # dropped: importing one registers its ops with torch.library under that name, and importing it
 # again would register them over the live ones that earlier ops still call (a crash inside the
-# dispatcher). The lock makes one thread import a module while the others wait for it.
+# dispatcher). A module imported directly (not through here) puts itself in sys.modules under that
+# name and is used as it is. The lock makes one thread import a module while the others wait for it.
 _MODULES: dict[str, ModuleType] = {}
 _MODULES_LOCK = threading.Lock()
 
@@ -113,19 +115,37 @@ def load_module(spec: Spec) -> ModuleType:
     name = f"attngen_generated_{spec.name}_{spec.hash}"
     with _MODULES_LOCK:
         if name not in _MODULES:
-            _MODULES[name] = _import(name, _module_path(spec))
+            _MODULES[name] = sys.modules[name] if name in sys.modules else _import(name, _module_path(spec))
         return _MODULES[name]
+
+
+# Committed modules already warned about for differing from their fresh rendering.
+_DIFFERING: set[Path] = set()
 
 
 def _module_path(spec: Spec) -> Path:
     committed = REPO_GENERATED / f"{spec.name}.py"
-    if committed.exists() and committed.read_bytes() == render(spec).encode():
+    source = render(spec).encode()
+    if committed.exists() and committed.read_bytes() == source:
         return committed
     directory = cache_dir()
     try:
-        return compile_to(spec, directory / spec.hash)
+        path = compile_to(spec, directory / spec.hash)
     except OSError as error:
-        return compile_to(spec, _fallback_cache(directory, error) / spec.hash)
+        path = compile_to(spec, _fallback_cache(directory, error) / spec.hash)
+    if committed.exists() and committed not in _DIFFERING and _rendered_spec_hash(committed) == spec.hash:
+        _DIFFERING.add(committed)
+        warnings.warn(f"attngen: {committed} differs from a fresh rendering of spec {spec.name!r} "
+                      f"(hash {spec.hash}; edited by hand, or rendered by another attngen version); "
+                      f"loading {path} instead. Run `attngen compile` to render it again.")
+    return path
+
+
+def _rendered_spec_hash(path: Path) -> str | None:
+    """The SPEC_HASH line of a generated module: whether a differing file was rendered from the
+    same spec (a hand edit) or from another spec of that name."""
+    found = re.search(r'^SPEC_HASH = "([0-9a-f]+)"$', path.read_text(errors="replace"), re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def _import(name: str, path: Path) -> ModuleType:

@@ -225,6 +225,7 @@ class KernelSpec:
 
     name: str
     spec_hash: str
+    spec_dict: str                  # the spec's canonical dict as a Python literal (Spec.to_dict)
     semantics: str
     attention: str                  # linear | softmax
     forms: tuple[str, ...]
@@ -253,7 +254,8 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         phi = phi_grad = "x"
         feature = "favor_plus" if spec.is_linear else "identity"
     return KernelSpec(
-        name=spec.name, spec_hash=spec.hash, semantics=spec.describe(), attention=spec.attention,
+        name=spec.name, spec_hash=spec.hash, spec_dict=repr(spec.to_dict()), semantics=spec.describe(),
+        attention=spec.attention,
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,

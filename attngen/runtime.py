@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
@@ -76,6 +75,21 @@ class Op:
     def __call__(self, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                  output_final_state=False, cu_seqlens=None, *, form: str | None = None,
                  chunk_size: int | None = None):
+        call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 cu_seqlens, form, chunk_size)
+        if _use_kernels(self.spec, q):
+            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+    def kernels(self, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                cu_seqlens=None):
+        """The call on the generated kernels whatever the backend (the generated module's
+        `attention` entry): inputs checked and the form chosen as for a call of the op."""
+        call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                 cu_seqlens, None, None)
+        return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+    def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
         if self.spec.is_linear:
             call = check_linear(self.spec, q, k, v, g, beta, scale, initial_state, cu_seqlens)
         else:
@@ -85,11 +99,7 @@ class Op:
             call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
         if validating():
             validate_values(q, k, v, g, beta, initial_state)
-        cu_seqlens = packed_offsets(cu_seqlens)
-        choice = self.choose(call, form, chunk_size)
-        if _use_kernels(self.spec, q):
-            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
-        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+        return call, self.choose(call, form, chunk_size), packed_offsets(cu_seqlens)
 
     def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The PyTorch forms: the plan's stages executed with autograd (a packed call group by
@@ -150,6 +160,35 @@ class Op:
             seq_at[torch.cat(seqs)] = torch.arange(len(lengths), device=device)
             out["final_state"] = torch.cat([o["final_state"] for o in outs])[seq_at]
         return out
+
+    def recompute_grads(self, saved: Mapping[str, Any], rest: tuple, grads: tuple) -> tuple:
+        """Gradients of a kernel op's call in a form without backward kernels (the generated
+        module's autograd calls this): the same call recomputed through the PyTorch forms and
+        differentiated there. saved: the op's tensor inputs by name; rest: its other inputs;
+        returns a gradient (or None) per saved input, in order."""
+        leaves = {n: t.detach().requires_grad_(True) for n, t in saved.items()
+                  if t is not None and t.is_floating_point() and n != "omega"}
+        args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}
+        with torch.enable_grad():
+            if self.spec.is_linear:
+                scale, form, chunk, output_final_state = rest
+                call = check_linear(self.spec, **args, scale=scale)
+                choice = planner.Choice(form, chunk if form == "chunked" else 1, "recomputed for the backward")
+                o, ht = self._run_torch(call, choice, **args, output_final_state=True)
+                outs, douts = [o], [grads[0]]
+                if output_final_state and grads[1] is not None and grads[1].numel():
+                    outs.append(ht)
+                    douts.append(grads[1])
+            else:
+                scale = rest[0]
+                call = check_softmax(self.spec, **args, scale=scale)
+                choice = planner.Choice("parallel", 1, "recomputed for the backward")
+                outs = [self._run_torch(call, choice, **args, beta=None, initial_state=None,
+                                        output_final_state=False)]
+                douts = [grads[0]]
+            got = torch.autograd.grad(outs, list(leaves.values()), douts, allow_unused=True)
+        by_name = dict(zip(leaves, got))
+        return tuple(by_name.get(n) for n in saved)
 
     def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
         """The generated Triton kernels, through the op registered with torch.library."""
@@ -229,80 +268,10 @@ def _use_kernels(spec: Spec, q: torch.Tensor) -> bool:
     return route(spec, q.device.type, q.dtype)[0] == "triton"
 
 
-# Held while a module's autograd is attached, so that threads creating ops of one spec at once
-# attach it once.
-_AUTOGRAD_LOCK = threading.Lock()
-
-
 def kernels_for(op: Op):
-    """The op's generated module, with autograd attached once (ops of equal specs share it)."""
-    module = codegen.load_module(op.spec)
-    with _AUTOGRAD_LOCK:
-        if not getattr(module, "_attngen_autograd", False):
-            _attach_autograd(op, module)
-            module._attngen_autograd = True
-    return module
-
-
-def _attach_autograd(op: Op, module) -> None:
-    """Gradients of the kernel op: the generated backward kernels where the module has them
-    for the call's form (module.BACKWARD_FORMS, module.backward), else the same call
-    recomputed through the PyTorch forms and differentiated there."""
-    names = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlens") if op.spec.is_linear \
-        else ("q", "k", "v", "g", "cu_seqlens")
-    kernel_forms = getattr(module, "BACKWARD_FORMS", ())
-
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[: len(names)], *output)
-        ctx.rest = inputs[len(names):]
-
-    def backward(ctx, *grads):
-        if not torch.is_grad_enabled():
-            return first_order(ctx, *grads)
-        # create_graph=True: the gradients are computed once, without a graph, and handed back
-        # through a node that raises attngen's error only if they are differentiated again (a
-        # create_graph backward that never goes further, e.g. a penalty on other parameters,
-        # still works).
-        with torch.no_grad():
-            got = first_order(ctx, *grads)
-        message = (f"attngen op {op.spec.name!r}: double backward (differentiating its gradients, "
-                   "create_graph=True) is not supported by the kernels; use ATTNGEN_BACKEND=torch for "
-                   "higher-order gradients")
-        marked = [t.detach().requires_grad_(True) if t is not None else None for t in got]
-        return torch._C._functions.DelayedError(message.encode(), len(marked))(*marked)
-
-    def first_order(ctx, *grads):
-        saved_inputs, outputs = ctx.saved_tensors[: len(names)], ctx.saved_tensors[len(names):]
-        form = ctx.rest[1] if op.spec.is_linear else "parallel"
-        if form in kernel_forms:
-            got = module.backward(*saved_inputs, *ctx.rest, *outputs, *grads)
-            return (*got, *([None] * len(ctx.rest)))
-        saved = dict(zip(names, saved_inputs))
-        leaves = {n: t.detach().requires_grad_(True) for n, t in saved.items()
-                  if t is not None and t.is_floating_point() and n != "omega"}
-        args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}
-        with torch.enable_grad():
-            if op.spec.is_linear:
-                scale, form, chunk, output_final_state = ctx.rest
-                call = check_linear(op.spec, **args, scale=scale)
-                choice = planner.Choice(form, chunk if form == "chunked" else 1, "recomputed for the backward")
-                o, ht = op._run_torch(call, choice, **args, output_final_state=True)
-                outs, douts = [o], [grads[0]]
-                if output_final_state and grads[1] is not None and grads[1].numel():
-                    outs.append(ht)
-                    douts.append(grads[1])
-            else:
-                scale = ctx.rest[0]
-                call = check_softmax(op.spec, **args, scale=scale)
-                choice = planner.Choice("parallel", 1, "recomputed for the backward")
-                outs = [op._run_torch(call, choice, **args, beta=None, initial_state=None,
-                                      output_final_state=False)]
-                douts = [grads[0]]
-            got = torch.autograd.grad(outs, list(leaves.values()), douts, allow_unused=True)
-        by_name = dict(zip(leaves, got))
-        return (*(by_name.get(n) for n in names), *([None] * len(ctx.rest)))
-
-    torch.library.register_autograd(module.op, backward, setup_context=setup_context)
+    """The op's generated module; importing it registered its op and autograd (ops of equal
+    specs share it)."""
+    return codegen.load_module(op.spec)
 
 
 @lru_cache(maxsize=128)

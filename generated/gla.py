@@ -9,9 +9,17 @@ Glossary (every kernel): B batch, T time, H heads, K key dim, V value dim, F fea
 Names: b_ blocks of values, p_ pointers, o_ offsets, i_ indices, m_ masks; address
 arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA caps dimensions
 1 and 2 at 65,535 blocks (a decode step of 2048 sequences x 32 heads is over).
+
+Importing this module registers, with their autograd:
+- torch.ops.attngen.gla_972dc5fb8e117e0d (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.gla: the runtime contract with keyword arguments, as `attention`
+  below; a second spec named gla in one process keeps only its hashed op (a warning says so).
+SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
 import functools
 import os
+import sys
+import warnings
 from typing import Optional
 
 import torch
@@ -20,6 +28,7 @@ import triton.language as tl
 
 SPEC_NAME = "gla"
 SPEC_HASH = "972dc5fb8e117e0d"
+SPEC = {'name': 'gla', 'attention': 'linear', 'feature_map': 'identity', 'qk_norm': 'none', 'update': 'additive', 'decay': 'vector', 'normalize': 'none', 'mask': 'causal', 'scale': 'auto'}
 ATTNGEN_VERSION = "0.1.0"
 FORMS = ('recurrent', 'parallel', 'chunked')
 
@@ -1199,3 +1208,90 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, ch
                                              do.contiguous(), dht)
     present = lambda gr, t: gr if t is not None else None
     return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None
+
+
+# ---------------------------------------------------------------------------- autograd
+@functools.lru_cache(maxsize=None)
+def runtime_op():
+    """attngen.load(SPEC), imported on first use: the runtime's input checks, defaults, form
+    choice and PyTorch forms, for `attention` and the backward of forms without kernels."""
+    from attngen import runtime
+
+    return runtime.load(SPEC)
+
+
+SAVED_INPUTS = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlens")
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[: len(SAVED_INPUTS)], *output)
+    ctx.rest = inputs[len(SAVED_INPUTS):]
+
+
+def _backward(ctx, *grads):
+    """The backward kernels where the call's form has them (BACKWARD_FORMS), else attngen's
+    runtime recomputes the call through the PyTorch forms and differentiates that."""
+    if not torch.is_grad_enabled():
+        return _first_order(ctx, *grads)
+    # create_graph=True: the gradients are computed once, without a graph, and handed back through
+    # a node that raises attngen's error only if they are differentiated again (a create_graph
+    # backward that never goes further, e.g. a penalty on other parameters, still works)
+    with torch.no_grad():
+        got = _first_order(ctx, *grads)
+    message = (f"attngen op {SPEC_NAME!r}: double backward (differentiating its gradients, create_graph=True) "
+               "is not supported by the kernels; use ATTNGEN_BACKEND=torch for higher-order gradients")
+    marked = [t.detach().requires_grad_(True) if t is not None else None for t in got]
+    return torch._C._functions.DelayedError(message.encode(), len(marked))(*marked)
+
+
+def _first_order(ctx, *grads):
+    inputs, outputs = ctx.saved_tensors[: len(SAVED_INPUTS)], ctx.saved_tensors[len(SAVED_INPUTS):]
+    form = ctx.rest[1]
+    if form in BACKWARD_FORMS:
+        got = backward(*inputs, *ctx.rest, *outputs, *grads)
+    else:
+        got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)
+    return (*got, *([None] * len(ctx.rest)))
+
+
+torch.library.register_autograd(op, _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------- the contract
+def attention(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """The runtime contract (DESIGN.md §2) on these kernels: (o [B, T, H, V], final state or
+    None). attngen's runtime (runtime_op) checks the inputs, fills the defaults
+    (scale, FAVOR+ features from the spec's seed) and chooses the form, as attngen.load(SPEC) does."""
+    return runtime_op().kernels(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _contract(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    # the dispatcher's op returns tensors only: no final state is an empty one
+    o, ht = attention(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+
+
+CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? beta=None, float? scale=None, "
+                   "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) "
+                   "-> (Tensor, Tensor)")
+
+# Under its canonical import name too (imported the importlib way, with sys.modules set first):
+# attngen.load then uses this module rather than import it again, which would register its ops
+# a second time.
+IMPORT_NAME = f"attngen_generated_{SPEC_NAME}_{SPEC_HASH}"
+if __name__ in sys.modules:
+    sys.modules.setdefault(IMPORT_NAME, sys.modules[__name__])
+
+# torch.ops.attngen.<spec name>: decomposed into `op` (CompositeImplicitAutograd), whose autograd
+# it takes. The first module of a name in a process holds it, found among the canonical names.
+_OWNER = next((m for n, m in list(sys.modules.items()) if n.startswith("attngen_generated_")
+               and getattr(m, "SPEC_NAME", None) == SPEC_NAME and getattr(m, "CONTRACT_LIBRARY", None)), None)
+if _OWNER is None:
+    CONTRACT_LIBRARY = torch.library.Library("attngen", "FRAGMENT")
+    CONTRACT_LIBRARY.define(CONTRACT_SCHEMA)
+    CONTRACT_LIBRARY.impl(SPEC_NAME, _contract, "CompositeImplicitAutograd")
+else:
+    CONTRACT_LIBRARY = None
+    warnings.warn(f"attngen: torch.ops.attngen.{SPEC_NAME} is the op of spec hash {_OWNER.SPEC_HASH}; this module "
+                  f"of another spec named {SPEC_NAME!r} (hash {SPEC_HASH}) registers only "
+                  f"torch.ops.attngen.{SPEC_NAME}_{SPEC_HASH}")
