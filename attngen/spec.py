@@ -262,6 +262,15 @@ def _bounded_int(loc: _Located, field: str, value: Any, info: Mapping[str, Any])
     return value
 
 
+def _only_with(loc: _Located, data: Mapping, key: str, resolved: dict[str, Any]) -> None:
+    """The schema's only_with rule of `key`: given, it needs each named field at its value
+    (resolved: every field's value in this spec, defaults filled in)."""
+    for other, needed in schema()["fields"][key].get("only_with", {}).items():
+        if key in data and resolved[other] != needed:
+            raise loc.error(key, f"value {data[key]!r} is only allowed with {other}: {needed} "
+                                 f"({other} is {resolved[other]!r})")
+
+
 def _validate(data: Any, loc: _Located) -> Spec:
     fields = schema()["fields"]
     if not isinstance(data, Mapping):
@@ -270,7 +279,7 @@ def _validate(data: Any, loc: _Located) -> Spec:
         if key not in fields:
             raise loc.error(str(key), f"unknown field {show_value(key)};{_did_you_mean(key, fields)} "
                                       f"allowed fields: {', '.join(fields)}")
-    for key in ("name", "attention"):
+    for key in (k for k, info in fields.items() if info.get("required")):
         if key not in data:
             raise loc.error(key, f"is required (allowed: {_allowed_text(key)})")
 
@@ -282,7 +291,7 @@ def _validate(data: Any, loc: _Located) -> Spec:
     linear = attention == "linear"
 
     if not linear:
-        for key in ("feature_map", "favor_plus", "qk_norm", "update", "normalize"):
+        for key in (k for k, info in fields.items() if info.get("only_for") == "linear"):
             default = fields[key].get("default")
             if key in data and data[key] != default:
                 raise loc.error(key, f"value {data[key]!r} is not allowed with attention: softmax; "
@@ -317,9 +326,6 @@ def _validate(data: Any, loc: _Located) -> Spec:
             feature_map = fm
 
     favor = None
-    if "favor_plus" in data and feature_map != "favor_plus":
-        raise loc.error("favor_plus", f"value {data['favor_plus']!r} is only allowed with feature_map: favor_plus "
-                                      f"(feature_map is {feature_map!r})")
     if feature_map == "favor_plus":
         raw = data.get("favor_plus")
         raw = {} if raw is None else raw
@@ -351,8 +357,6 @@ def _validate(data: Any, loc: _Located) -> Spec:
             raise loc.error("window", f"is required with mask: sliding_window (allowed: an integer from "
                                       f"{fields['window']['min']} to {fields['window']['max']})", at="mask")
         _bounded_int(loc, "window", window, fields["window"])
-    elif "window" in data:
-        raise loc.error("window", f"value {window!r} is only allowed with mask: sliding_window (mask is {mask!r})")
 
     raw_scale = data.get("scale", "auto")
     if raw_scale == "auto":
@@ -362,7 +366,11 @@ def _validate(data: Any, loc: _Located) -> Spec:
     else:
         raise loc.error("scale", f"value {raw_scale!r} is not allowed; allowed: auto, or a positive finite number")
 
-    # Rules that tie fields together.
+    # Rules that tie fields together: the schema's only_with, then the combinations below.
+    resolved = dict(name=name, attention=attention, feature_map=feature_map, favor_plus=favor, qk_norm=qk_norm,
+                    update=update, decay=decay, normalize=normalize, mask=mask, window=window, scale=raw_scale)
+    for key in fields:
+        _only_with(loc, data, key, resolved)
     if linear:
         if mask == "sliding_window":
             raise loc.error("mask", "value 'sliding_window' is not allowed with attention: linear; "

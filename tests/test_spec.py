@@ -585,3 +585,23 @@ def test_no_suggestion_for_unrelated_words():
     with pytest.raises(SpecError) as info:
         parse_spec(y(*LIN, "colour: red"), "bad.yaml")
     assert "did you mean" not in str(info.value)
+
+
+def test_field_rules_come_from_the_schema(monkeypatch):
+    """required, only_for and only_with are read from schema.yaml, not re-coded in spec.py: a rule
+    added to the schema takes effect."""
+    import copy
+
+    from attngen import spec as spec_module
+    changed = copy.deepcopy(spec_module.schema())
+    changed["fields"]["scale"]["only_with"] = {"mask": "causal"}
+    changed["fields"]["mask"]["only_for"] = "linear"
+    changed["fields"]["mask"]["default"] = None
+    changed["fields"]["decay"]["required"] = True
+    monkeypatch.setattr(spec_module, "schema", lambda: changed)
+    with pytest.raises(SpecError, match="decay.*required"):
+        load_spec({"name": "x", "attention": "linear"})
+    with pytest.raises(SpecError, match="scale.*only allowed with mask: causal"):
+        load_spec({"name": "x", "attention": "linear", "decay": "none", "mask": "bidirectional", "scale": 0.5})
+    with pytest.raises(SpecError, match="mask.*only for attention: linear"):
+        load_spec({"name": "x", "attention": "softmax", "decay": "none", "mask": "causal"})
