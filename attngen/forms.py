@@ -153,9 +153,10 @@ def token_scan(ctx: Ctx, qs, ks, vs, gs, bs, s0):
         q_t, k_t, v_t = qs[:, :, t], ks[:, :, t], vs[:, :, t]
         # S <- a_t S, then the additive write k v^T or the delta rule's beta k (v - S^T k)^T
         S = S * torch.exp(gs[:, :, t])[..., None]
-        w_t = v_t - (k_t[..., None, :] @ S)[..., 0, :] if delta else v_t
         if delta:
-            w_t = w_t * bs[:, :, t][..., None]
+            w_t = bs[:, :, t][..., None] * (v_t - (k_t[..., None, :] @ S)[..., 0, :])
+        else:
+            w_t = v_t
         S = S + k_t[..., :, None] * w_t[..., None, :]
         outs.append((q_t[..., None, :] @ S)[..., 0, :])
     return torch.stack(outs, 2), S

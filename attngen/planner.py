@@ -158,7 +158,8 @@ def _linear_forms(spec: Spec) -> tuple[Form, ...]:
 def _softmax_forms(spec: Spec) -> tuple[Form, ...]:
     stages = (
         _s("to_sequences", {"q": "q", "k": "k", "v": "v", "g": "g", "beta": "beta", "cu_seqlens": "cu_seqlens"},
-           ("qs", "ks_kv", "vs_kv", "gs", "bs", "valid"), "one padded row per sequence, [N, H, L, *] ([N, H_kv, L, *] k, v)"),
+           ("qs", "ks_kv", "vs_kv", "gs", "bs", "valid"),
+           "one padded row per sequence, [N, H, L, *] ([N, H_kv, L, *] k, v)"),
         _s("share_kv_heads", {"ks": "ks_kv", "vs": "vs_kv"}, ("ks", "vs"),
            "grouped-query attention: each query head's keys and values"),
         _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), "os",
@@ -292,9 +293,9 @@ MEMORY = {
     "bidirectional": "training memory (kernels): the forward saves o; the backward recomputes through the "
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
-              "keeps the chunk-start states (T/C x F x V floats per head, float32; with the delta rule also "
-              "W, the decayed keys and the written values, T x (2F + V) values in bf16 for bf16 inputs, "
-              "else float32, and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
+              "keeps the chunk-start states (T/C x F x V floats per head, float32) and the decayed keys "
+              "(T x F values, bf16 for bf16 inputs, else float32; with the delta rule also W and the written "
+              "values, T x (F + V), and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
               "recurrent backward keeps per-token partials, O(T (K + V)) per head times the value blocks; the "
               "chunked backward recomputes the chunk-start states at chunks of at most 32 tokens (T/32 x F x "
               "V floats per head) and keeps per-value-block dq/dk partials, transient inside the backward",

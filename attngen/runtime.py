@@ -145,7 +145,8 @@ class Op:
                     sub[name] = env[name][:, idx]
             if env.get("initial_state") is not None:
                 sub["initial_state"] = env["initial_state"][rows]
-            sub_call = dataclasses.replace(call, q_len=len(idx), k_len=len(idx), num_seqs=len(group), max_len=max(sizes))
+            sub_call = dataclasses.replace(call, q_len=len(idx), k_len=len(idx), num_seqs=len(group),
+                                           max_len=max(sizes))
             sub_choice = planner.choose(self.plan, sub_call, choice.form,
                                         choice.chunk if choice.form == "chunked" else None)
             outs.append(self._execute(sub_call, sub_choice, sub, dtype))

@@ -150,7 +150,8 @@ def _compose(text: str, source: str) -> tuple[dict[str, Any], _Located]:
     except yaml.YAMLError as e:
         raise _yaml_error(e, source) from None
     if node is None:
-        raise SpecError(source, None, None, "the spec is empty; expected a mapping with at least 'name' and 'attention'")
+        raise SpecError(source, None, None,
+                        "the spec is empty; expected a mapping with at least 'name' and 'attention'")
     if not isinstance(node, yaml.MappingNode):
         raise SpecError(source, node.start_mark.line + 1, None,
                         "the spec must be a mapping of fields (name: ..., attention: ...)")

@@ -248,11 +248,12 @@ def packed_max_len(cu_seqlens, max_len):
 
 def softmax_fwd_config(BK, BV, size, max_len):
     """(BM, BN, num_warps, num_stages, last_first) of the forward: query rows per program, keys per
-    tile, warps, software-pipeline stages, and whether a head's last query block launches first. The query tile within 32 KiB and a stage of key + value tiles
-    within 64 KiB of shared memory; rows capped by the longest sequence. 16-bit inputs up to 128
-    lanes: 64 x 64 tiles, four warps, three stages, the fastest of 36 configurations on the H200
-    (softmax_causal B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms at eight warps and two stages;
-    bench/tune_softmax.py, BENCHMARKS.md)."""
+    tile, warps, software-pipeline stages, and whether a head's last query block launches first
+    (2.49 against 2.66 ms; tune_softmax.py --configs). The query tile within 32 KiB and a stage of
+    key + value tiles within 64 KiB of shared memory; rows capped by the longest sequence. 16-bit
+    inputs up to 128 lanes: 64 x 64 tiles, four warps, three stages, the fastest of 36
+    configurations on the H200 (softmax_causal B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms
+    at eight warps and two stages; bench/tune_softmax.py, BENCHMARKS.md)."""
     BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
     BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
     if size == 2 and max(BK, BV) <= 128:
