@@ -18,14 +18,12 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attngen  # noqa: E402
 from attngen.runtime import kernels_for  # noqa: E402
+from bench import make, rel  # noqa: E402
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def main():
@@ -42,13 +40,9 @@ def main():
     args = p.parse_args()
     op = attngen.load(SPECS / f"{args.spec}.yaml")
     module = kernels_for(op)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
     B, T, H, D = args.B, args.T, args.H, args.D
-    t = {n: r(B, T, H, D).bfloat16().requires_grad_(args.bwd) for n in "qkv"}
-    if op.spec.decay == "scalar":
-        t["g"] = torch.nn.functional.logsigmoid(r(B, T, H) + 3).requires_grad_(args.bwd)
-    do = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    t = make(B, T, H, D, torch.bfloat16, args.bwd, **({"g_scalar": True} if op.spec.decay == "scalar" else {}))
+    do = torch.randn(B, T, H, D, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
 
     def run():
         o = op(**t)
