@@ -700,6 +700,20 @@ def chunked_warps(dtype):
     return 2 if dtype == torch.bfloat16 else 4
 
 
+def chunked_launch(step, dtype, K, V, F):
+    """(BV, warps) of one forward step: "prepare" (the chunk-parallel keys step; BV
+    unused), "states" (the sequential pass) or "output"."""
+    _, BF, BV = chunked_blocks(K, V, F)
+    if dtype == torch.bfloat16 and BF <= 128:
+        # bf16 at K = V = 128 on the H200 (bench/tune_chunked.py, BENCHMARKS.md 2026-12-01): four warps,
+        # the state pass by 64-value blocks and the output pass by 128 (against two warps and 32) took
+        # gated_deltanet's passes from 536 and 858 us to 357 and 337, gla's forward from 9.24 to 3.09 ms.
+        widths = dict(prepare=BV, states=min(64, max(16, triton.next_power_of_2(V))),
+                      output=min(128, max(16, triton.next_power_of_2(V))))
+        return widths[step], 4
+    return BV, chunked_warps(dtype)
+
+
 # Registers per thread of every chunked kernel: all a Hopper thread has, stated rather than left to
 # ptxas. Without .maxnreg, ptxas -O3 allotted some of them 32 registers and spilled the rest: kda
 # bf16 at K = V = 128, 34,280 B in the forward's state pass; the delta-rule backward, 81,948 B in
@@ -746,27 +760,28 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
+    _, prepare_warps = chunked_launch("prepare", q.dtype, K, V, F)
+    BVS, states_warps = chunked_launch("states", q.dtype, K, V, F)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                DOT_PRECISION=chunked_dot_precision(q.dtype))
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = w = u = None
     # the keys K ⊙ Γ_C/Γ; Γ_C per chunk slot
     kr = torch.empty(B, T, H, F, device=q.device, dtype=chunked_pass_dtype(q.dtype))
     gc = torch.empty(n_slots, H, **f32)
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=prepare_warps, maxnreg=MAXNREG,
     )
     # the tiles one chunk loads: the keys transposed and v
-    stage_bytes = chunk * (BF * kr.element_size() + BV * v.element_size())
+    stage_bytes = chunk * (BF * kr.element_size() + BVS * v.element_size())
     h = torch.empty(n_slots, H, F, VS, **f32)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
+    chunked_states_kernel[(N * H, triton.cdiv(V, BVS))](
         k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
+        BV=BVS, num_warps=states_warps, maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
 
@@ -776,7 +791,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     -> o like v, final state [N, H, F, VS] float32 (or None)."""
     chunked_check_chunk(chunk)
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
-    BK, BF, BV = chunked_blocks(K, V, F)
+    BK, BF, _ = chunked_blocks(K, V, F)
+    BV, warps = chunked_launch("output", q.dtype, K, V, F)
     chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
     h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
         q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
@@ -785,7 +801,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=chunked_warps(q.dtype), maxnreg=MAXNREG,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=warps, maxnreg=MAXNREG,
     )
     return o, ht
 # ---------------------------------------------------------------------------- chunked backward
