@@ -242,6 +242,15 @@ class KernelSpec:
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
     log_decay_floor: float          # log decays are raised to it where the kernels load them
+    decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
+
+
+# Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
+# X ⊙ exp(G) and Y ⊙ exp(-G), G the log decay cumulated from the block's start, when the block's
+# decay G_B spans at most this in every feature: the factors stay within e^±40 (fp32 and bf16 reach
+# e^88; a term x_t y_s of 1e-21 or more keeps normal operands). Past it, the kernels take the pairs by
+# offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for any decay.
+DECAY_SPAN = 40.0
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -260,7 +269,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR)
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN)
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

@@ -608,7 +608,9 @@ def chunked_output_kernel(
     #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
     # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
     # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
-    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
+    # overflows however strong the decay. P is one dot, (Q ⊙ exp(G)) (K ⊙ exp(-G))^T, where the block's
+    # decay spans at most 40.0 in every feature (planner.DECAY_SPAN); past it, by offsets
+    # d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     for i_b in range(0, BT // 16):
@@ -623,27 +625,31 @@ def chunked_output_kernel(
         b_q = b_q * scale
         b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
-        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
-        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        # [16, BF] G, from the log decays (0 on padded tokens) in float64; the queries read H through exp(G)
         b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
-        # [16, BV] the values the block writes
-        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
-        # log decays, [BF] G_B
+        # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
         b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
 
         b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
         b_GB = tl.sum(b_gt, 1)
+        # [16, 16] P: the decayed causal scores q_t . diag(exp(G_t - G_s)) k_s (s <= t)
+        if tl.min(b_GB, 0) >= -40.0:
+            b_P = tl.where(o_j[:, None] >= o_j[None, :], chunked_dot(b_qg, b_kt * tl.exp(-tl.cumsum(b_gt, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+            b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BV] the values the block writes
+        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start
         b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
         b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 

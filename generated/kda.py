@@ -571,15 +571,21 @@ def chunked_ut_kernel(
     b_gt0 = floor_log_decay(tl.load(g + o_tok0[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t0[None, :], other=0.0).to(tl.float64))
     b_kdt0 = b_kt0 * tl.exp((tl.sum(b_gt0, 1)[:, None] - tl.cumsum(b_gt0, 1)).to(tl.float32))
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
-    # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
-    b_A00 = tl.zeros([16, 16], dtype=tl.float32)
-    b_W = tl.zeros([16, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        m_d = m_t0 & (o_j >= d)
-        b_W += floor_log_decay(tl.load(g + (o_tok0 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_ks = tl.load(k + (o_tok0 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-        b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
+    if tl.min(tl.sum(b_g0, 0), 0) >= -40.0:
+        # one dot of K ⊙ exp(G) and K ⊙ exp(-G), G from the block's start: the decay spans at most
+        # 40.0 (planner.DECAY_SPAN)
+        b_Gl = tl.cumsum(b_g0, 0)
+        b_A00 = tl.where(m_lower, chunked_dot(b_k0 * tl.exp(b_Gl.to(tl.float32)), b_kt0 * tl.exp(-tl.cumsum(b_gt0, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+    else:
+        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
+        b_A00 = tl.zeros([16, 16], dtype=tl.float32)
+        b_W = tl.zeros([16, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_d = m_t0 & (o_j >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok0 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok0 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
     b_A00 = b_A00 * b_beta0[:, None]
     # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
     b_Ai00 = tl.where(m_eye, 1.0, 0.0)
@@ -621,15 +627,21 @@ def chunked_ut_kernel(
         # one dot through G at block 0's last token: K_1 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
         b_A10 = chunked_dot(b_k1 * tl.exp((b_G1 - b_C0[None, :]).to(tl.float32)), b_kdt0, DOT_PRECISION) * b_beta1[:, None]
         # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
-        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
-        b_A11 = tl.zeros([16, 16], dtype=tl.float32)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t1 & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok1 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok1 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-            b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
+        if tl.min(tl.sum(b_g1, 0), 0) >= -40.0:
+            # one dot of K ⊙ exp(G) and K ⊙ exp(-G), G from the block's start: the decay spans at most
+            # 40.0 (planner.DECAY_SPAN)
+            b_Gl = tl.cumsum(b_g1, 0)
+            b_A11 = tl.where(m_lower, chunked_dot(b_k1 * tl.exp(b_Gl.to(tl.float32)), b_kt1 * tl.exp(-tl.cumsum(b_gt1, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
+            b_A11 = tl.zeros([16, 16], dtype=tl.float32)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t1 & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok1 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok1 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+                b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
         b_A11 = b_A11 * b_beta1[:, None]
         # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai11 = tl.where(m_eye, 1.0, 0.0)
@@ -675,15 +687,21 @@ def chunked_ut_kernel(
         # one dot through G at block 1's last token: K_2 ⊙ exp(G - G_last) and K_1 ⊙ exp(G_last - G), both <= 1
         b_A21 = chunked_dot(b_k2 * tl.exp((b_G2 - b_C1[None, :]).to(tl.float32)), b_kdt1, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_22 = diag(β) K_2 diag(Γ_t/Γ_s) K_2^T (s < t)
-        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
-        b_A22 = tl.zeros([16, 16], dtype=tl.float32)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t2 & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok2 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok2 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-            b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
+        if tl.min(tl.sum(b_g2, 0), 0) >= -40.0:
+            # one dot of K ⊙ exp(G) and K ⊙ exp(-G), G from the block's start: the decay spans at most
+            # 40.0 (planner.DECAY_SPAN)
+            b_Gl = tl.cumsum(b_g2, 0)
+            b_A22 = tl.where(m_lower, chunked_dot(b_k2 * tl.exp(b_Gl.to(tl.float32)), b_kt2 * tl.exp(-tl.cumsum(b_gt2, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
+            b_A22 = tl.zeros([16, 16], dtype=tl.float32)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t2 & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok2 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok2 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+                b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
         b_A22 = b_A22 * b_beta2[:, None]
         # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai22 = tl.where(m_eye, 1.0, 0.0)
@@ -732,15 +750,21 @@ def chunked_ut_kernel(
         # one dot through G at block 2's last token: K_3 ⊙ exp(G - G_last) and K_2 ⊙ exp(G_last - G), both <= 1
         b_A32 = chunked_dot(b_k3 * tl.exp((b_G3 - b_C2[None, :]).to(tl.float32)), b_kdt2, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_33 = diag(β) K_3 diag(Γ_t/Γ_s) K_3^T (s < t)
-        # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
-        b_A33 = tl.zeros([16, 16], dtype=tl.float32)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t3 & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok3 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok3 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-            b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
+        if tl.min(tl.sum(b_g3, 0), 0) >= -40.0:
+            # one dot of K ⊙ exp(G) and K ⊙ exp(-G), G from the block's start: the decay spans at most
+            # 40.0 (planner.DECAY_SPAN)
+            b_Gl = tl.cumsum(b_g3, 0)
+            b_A33 = tl.where(m_lower, chunked_dot(b_k3 * tl.exp(b_Gl.to(tl.float32)), b_kt3 * tl.exp(-tl.cumsum(b_gt3, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # by offsets d = t - s: k_t . diag(exp(W)) k_s, W = G_t - G_s
+            b_A33 = tl.zeros([16, 16], dtype=tl.float32)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t3 & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok3 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok3 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+                b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
         b_A33 = b_A33 * b_beta3[:, None]
         # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
         b_Ai33 = tl.where(m_eye, 1.0, 0.0)
@@ -913,7 +937,9 @@ def chunked_output_kernel(
     #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
     # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
     # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
-    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
+    # overflows however strong the decay. P is one dot, (Q ⊙ exp(G)) (K ⊙ exp(-G))^T, where the block's
+    # decay spans at most 40.0 in every feature (planner.DECAY_SPAN); past it, by offsets
+    # d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     for i_b in range(0, BT // 16):
@@ -928,28 +954,32 @@ def chunked_output_kernel(
         b_q = b_q * scale
         b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
-        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
-        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        # [16, BF] G, from the log decays (0 on padded tokens) in float64; the queries read H through exp(G)
         b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
-        # [16, BV] the values the block writes (chunked_states_kernel's U)
-        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
-        # log decays, [BF] G_B
+        # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
         b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
         b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
         b_GB = tl.sum(b_gt, 1)
+        # [16, 16] P: the decayed causal scores q_t . diag(exp(G_t - G_s)) k_s (s <= t)
+        if tl.min(b_GB, 0) >= -40.0:
+            b_P = tl.where(o_j[:, None] >= o_j[None, :], chunked_dot(b_qg, b_kt * tl.exp(-tl.cumsum(b_gt, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+            b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+                b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BV] the values the block writes (chunked_states_kernel's U)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start
         b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
         b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 
