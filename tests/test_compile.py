@@ -43,3 +43,37 @@ def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
         assert all(t.grad is not None and torch.isfinite(t.grad).all()
                    for t in leaves.values() if isinstance(t, torch.Tensor) and t.requires_grad)
     assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
+
+
+SOFTMAX_SPECS = [p for p in SPECS if attngen.load_spec(p).attention == "softmax"]
+
+
+@pytest.mark.parametrize("path", SOFTMAX_SPECS, ids=[p.stem for p in SOFTMAX_SPECS])
+def test_fullgraph_return_lse(path, monkeypatch):
+    """return_lse traces too, on the PyTorch forms (the kernels': test_kernels_softmax_bwd.py), with
+    a loss on o and on the lse; one graph for two calls."""
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    torch._dynamo.reset()
+    op = attngen.load(path)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, k_len=29, heads=2, head_dim=8, value_dim=8),
+                           dtype=torch.float32)
+    inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(**kw):
+        o, lse = op(**kw, return_lse=True)
+        return o.sum() + lse.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager_leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items()}
+    step(**eager_leaves).backward()
+    for _ in range(2):
+        leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items()}
+        compiled(**leaves).backward()
+        for n, t in leaves.items():
+            assert torch.allclose(t.grad, eager_leaves[n].grad, rtol=1e-5, atol=1e-6), n
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
