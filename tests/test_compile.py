@@ -4,18 +4,18 @@ again with the same shapes (issue: 'Inline attempt with __self__' from the plan'
 sympy run inside the call)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import attngen
 from attngen.testing import Shape, random_inputs
 
-SPECS = sorted((Path(__file__).resolve().parents[1] / "specs").glob("*.yaml"))
+from specs import shipped, stem
+
+SPECS = shipped()
 
 
-@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+@pytest.mark.parametrize("path", SPECS, ids=stem)
 def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
     torch._dynamo.reset()  # every spec's step is the same code object: start its cache afresh
@@ -45,10 +45,10 @@ def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
     assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
 
 
-SOFTMAX_SPECS = [p for p in SPECS if attngen.load_spec(p).attention == "softmax"]
+SOFTMAX_SPECS = shipped("softmax")
 
 
-@pytest.mark.parametrize("path", SOFTMAX_SPECS, ids=[p.stem for p in SOFTMAX_SPECS])
+@pytest.mark.parametrize("path", SOFTMAX_SPECS, ids=stem)
 def test_fullgraph_return_lse(path, monkeypatch):
     """return_lse traces too, on the PyTorch forms (the kernels': test_kernels_softmax_bwd.py), with
     a loss on o and on the lse; one graph for two calls."""

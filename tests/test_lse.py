@@ -13,6 +13,8 @@ from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, random_inputs, rel_error
 
+from specs import SHIPPED
+
 BACKENDS = ("torch", "triton")
 
 
@@ -60,7 +62,7 @@ def test_merging_halves_of_the_keys(name, Tq, Tk, kv_heads, backend):
     heads at H_kv < H): queries see every key of both halves, the first half unmasked; the last
     Tq keys' causal mask stays in the second half's call. float64, where the identity is exact
     to rounding."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     inputs = random_inputs(op.spec, Shape(batch=2, q_len=Tq, k_len=Tk, heads=4, kv_heads=kv_heads, head_dim=16,
                                           value_dim=8), seed=Tk)
     cut = Tk // 2
@@ -92,7 +94,7 @@ def test_merging_a_prefix_with_causal_attention(backend):
 def test_lse_of_packed_sequences(name, backend):
     """With cu_seqlens, lse is [1, T, H]: each packed token's row equals the same sequence's
     call alone."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     cu = (0, 1, 66, 83, 100)
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=100, heads=2, head_dim=16, value_dim=8, cu_seqlens=cu))
     _, lse = op(**inputs, return_lse=True)
