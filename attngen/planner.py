@@ -47,16 +47,18 @@ class Form:
     doc: str
 
     def graph(self) -> nx.DiGraph:
-        """Stages as nodes, an edge per value passed from one stage to another."""
+        """Stages as nodes ("<position>.<fn>": a stage function may be applied twice), an edge
+        per value passed from one stage to another."""
         dag = nx.DiGraph()
         producer: dict[str, str] = {name: "input" for name in self.inputs}
         dag.add_node("input")
-        for stage in self.stages:
-            dag.add_node(stage.fn, stage=stage)
+        for i, stage in enumerate(self.stages, 1):
+            node = f"{i}.{stage.fn}"
+            dag.add_node(node, stage=stage)
             for _, name in stage.inputs:
-                dag.add_edge(producer[name], stage.fn, value=name)
+                dag.add_edge(producer[name], node, value=name)
             for name in stage.outputs:
-                producer[name] = stage.fn
+                producer[name] = node
         dag.add_node("output")
         for name in self.outputs:
             dag.add_edge(producer[name], "output", value=name)
@@ -162,11 +164,13 @@ def _softmax_forms(spec: Spec) -> tuple[Form, ...]:
            "one padded row per sequence, [N, H, L, *] ([N, H_kv, L, *] k, v)"),
         _s("share_kv_heads", {"ks": "ks_kv", "vs": "vs_kv"}, ("ks", "vs"),
            "grouped-query attention: each query head's keys and values"),
-        _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), "os",
-           f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block"),
+        _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), ("os", "lses"),
+           f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block, "
+           "and each query's log-sum-exp"),
         _s("from_sequences", {"out": "os", "valid": "valid"}, "o", "back to [B, Tq, H, V]"),
+        _s("from_sequences", {"out": "lses", "valid": "valid"}, "lse", "back to [B, Tq, H]"),
     )
-    return (Form("parallel", stages, ("q", "k", "v", "g", "beta", "cu_seqlens"), ("o",),
+    return (Form("parallel", stages, ("q", "k", "v", "g", "beta", "cu_seqlens"), ("o", "lse"),
                  "flash-style: scores, mask, softmax, values"),)
 
 

@@ -33,7 +33,9 @@ def _random_features(spec: Spec, head_dim: int) -> torch.Tensor:
 class Op:
     """A compiled attention op. Linear: op(q, k, v, g, beta, scale, initial_state,
     output_final_state, cu_seqlens) -> (o, final_state); softmax: op(q, k, v, g, scale,
-    cu_seqlens) -> o. `form=` and `chunk_size=` force the planner's choice."""
+    cu_seqlens) -> o, or (o, lse) with return_lse=True (lse [B, Tq, H]: each query's
+    natural-log log-sum-exp of its allowed scaled scores, float32, float64 for float64 inputs;
+    differentiable). `form=` and `chunk_size=` force the planner's choice."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -73,24 +75,33 @@ class Op:
         return planner.choose(self.plan, call, form, chunk_size)
 
     def __call__(self, q, k, v, g=None, beta=None, scale=None, initial_state=None,
-                 output_final_state=False, cu_seqlens=None, *, form: str | None = None,
+                 output_final_state=False, cu_seqlens=None, *, return_lse: bool = False, form: str | None = None,
                  chunk_size: int | None = None):
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, form, chunk_size)
+                                                 cu_seqlens, return_lse, form, chunk_size)
         if _use_kernels(self.spec, q):
-            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
-        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                     return_lse)
+        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                               return_lse)
 
     def kernels(self, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None):
+                cu_seqlens=None, return_lse=False):
         """The call on the generated kernels whatever the backend (the generated module's
         `attention` entry): inputs checked and the form chosen as for a call of the op."""
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, None, None)
-        return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+                                                 cu_seqlens, return_lse, None, None)
+        return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                 return_lse)
 
-    def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
+    def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, return_lse, form,
+                 chunk_size):
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"return_lse: expected True or False, got {return_lse!r}")
         if self.spec.is_linear:
+            if return_lse:
+                raise ValueError(f"return_lse: spec {self.spec.name!r} is linear attention, which has no "
+                                 "log-sum-exp; return_lse=True is for attention: softmax")
             call = check_linear(self.spec, q, k, v, g, beta, scale, initial_state, cu_seqlens)
         else:
             if beta is not None or initial_state is not None or output_final_state:
@@ -101,7 +112,8 @@ class Op:
             validate_values(q, k, v, g, beta, initial_state)
         return call, self.choose(call, form, chunk_size), packed_offsets(cu_seqlens)
 
-    def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+    def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                   return_lse=False):
         """The PyTorch forms: the plan's stages executed with autograd (a packed call group by
         group of sequences, planner.packed_groups)."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -112,7 +124,7 @@ class Op:
             out = self._execute_packed(call, choice, env, dtype)
         o = out["o"].to(q.dtype)
         if not self.spec.is_linear:
-            return o
+            return (o, out["lse"]) if return_lse else o
         return o, (out["final_state"].to(dtype) if output_final_state else None)
 
     def _execute(self, call, choice, env, dtype) -> dict:
@@ -155,7 +167,7 @@ class Op:
         # the inverse permutations: where each token (sequence) of the call went
         token_at = torch.empty(cu[-1], dtype=torch.int64, device=device)
         token_at[torch.cat(tokens)] = torch.arange(cu[-1], device=device)
-        out = {"o": torch.cat([o["o"] for o in outs], 1)[:, token_at]}
+        out = {name: torch.cat([o[name] for o in outs], 1)[:, token_at] for name in ("o", "lse") if name in outs[0]}
         if "final_state" in outs[0]:
             seq_at = torch.empty(len(lengths), dtype=torch.int64, device=device)
             seq_at[torch.cat(seqs)] = torch.arange(len(lengths), device=device)
@@ -184,25 +196,37 @@ class Op:
                 scale = rest[0]
                 call = check_softmax(self.spec, **args, scale=scale)
                 choice = planner.Choice("parallel", 1, "recomputed for the backward")
-                outs = [self._run_torch(call, choice, **args, beta=None, initial_state=None,
-                                        output_final_state=False)]
-                douts = [grads[0]]
+                o, lse = self._run_torch(call, choice, **args, beta=None, initial_state=None,
+                                         output_final_state=False, return_lse=True)
+                outs, douts = [o], [grads[0]]
+                if grads[1] is not None:
+                    # the kernel op's lse is [B, H, Tq] ([H, T] packed)
+                    outs.append(lse[0].T if call.varlen else lse.transpose(1, 2))
+                    douts.append(grads[1])
             got = torch.autograd.grad(outs, list(leaves.values()), douts, allow_unused=True)
         by_name = dict(zip(leaves, got))
         return tuple(by_name.get(n) for n in saved)
 
-    def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+    def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                     return_lse=False):
         """The generated Triton kernels, through the op registered with torch.library."""
         if self._kernels is None:
             self._kernels = kernels_for(self)
         module = self._kernels
         if not self.spec.is_linear:
-            return module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len)[0]
+            o, lse = module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len)
+            return (o, lse_layout(lse, call.varlen)) if return_lse else o
         omega = self.features(call.head_dim, q.device, torch.float32)
         form, chunk = kernel_form(self.spec, choice, call)
         o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
                           bool(output_final_state))
         return o, (ht if output_final_state else None)
+
+
+def lse_layout(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The softmax kernels' lse, [B, H, Tq] ([H, T] packed), as the contract's [B, Tq, H]: a view
+    (the kernels' layout keeps each head's queries adjacent for the backward)."""
+    return lse.transpose(0, 1)[None] if varlen else lse.transpose(1, 2)
 
 
 # Chunk sizes of the chunked kernel.

@@ -14,6 +14,7 @@ Importing this module registers, with their autograd:
 - torch.ops.attngen.softmax_causal_dfdb521cefe6f4ba (`op`): the kernels, positional, one per spec hash;
 - torch.ops.attngen.softmax_causal: the runtime contract with keyword arguments, as `attention`
   below; a second spec named softmax_causal in one process keeps only its hashed op (a warning says so).
+  Called with the keyword return_lse, it runs its overload .lse: (o, lse), lse empty for False.
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
 import functools
@@ -49,7 +50,8 @@ def interpreted():
 # block may see are never loaded, tiles every query sees in full run unmasked, and only the
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
-# (natural log, float32) for the backward.
+# (natural log; float32, float64 for float64 inputs), for the backward and for callers that
+# merge attention outputs (return_lse).
 
 @triton.jit
 def softmax_fwd_tiles(
@@ -236,6 +238,11 @@ def _pow2_floor(n):
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def softmax_lse_dtype(dtype):
+    """The lse's dtype for inputs of `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def packed_max_len(cu_seqlens, max_len):
     """The longest packed sequence: max_len when the caller knows it, else read back from
     cu_seqlens (a device sync)."""
@@ -283,8 +290,9 @@ def _multiprocessors(index):
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
-    -> o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, total] with cu_seqlens), the
-    natural-log log-sum-exp of each query's scores."""
+    -> o [B, Tq, H, V] and lse [B, H, Tq] ([H, total] with cu_seqlens), the natural-log
+    log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
+    the callers' merges of float64 outputs need it to float64 precision)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -302,7 +310,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     BM, BN, warps, stages, last_first = softmax_fwd_config(BK, BV, q.element_size(), max_len)
     o = v.new_empty(B, Tq, H, V)
-    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
+    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     programs = triton.cdiv(max_len, BM) * N * H
     splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
@@ -326,38 +334,39 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     return o, lse
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
-#   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) per query, and the forward's lse
-#      in log2 units, into O(T) buffers.
+#   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
+#      lse in log2 units, into O(T) buffers.
 #   2. softmax_bwd_dq_kernel: one program per (query block, sequence x head) streams the key
 #      tiles the mask lets it see (the forward's loop bounds) and accumulates dq.
 #   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x key head) streams the query
 #      tiles that can see its keys, for each query head that reads them (grouped-query attention:
 #      H // HK query heads per key head), and accumulates dk and dv.
 # Both recompute P = exp2(s - lse) from q, k and the forward's lse (no T x T buffer) and form
-# dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores.
+# dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores. A loss on
+# the lse too (return_lse) adds dlse_i P_ij to dS_ij (d lse_i / d s_ij = P_ij): delta carries it,
+# rowsum(o * do) - dlse, so the kernels below are the same with and without it.
 # Tile skipping mirrors the forward (causal): tiles no pair of which is allowed are never
 # loaded, tiles allowed in full run unmasked, tiles on a mask edge are masked elementwise.
 # Padding queries (past a sequence's end) read lse = +inf, so their P is exactly 0 and they add
 # nothing to dk, dv; padding keys are masked in the dq loop and never stored by the dkdv program.
 # Transposed operands are loaded transposed from memory, or tl.trans'd as loaded values: never a
 # tl.trans of a tl.dot result feeding another tl.dot (miscompiled on Hopper by Triton 3.4-3.7).
-# float64 inputs: the forward's lse is float32, too coarse for float64 gradients. The dq program
-# sees whole rows, so it also sums c = rowsum(exp2(s - lse2)) (1 up to that rounding), divides
-# its row results by c, and stores lse2 + log2(c) for the dkdv kernel, which therefore runs after.
+# float64 inputs: the forward's lse is float64, and so are delta and lse2.
 # Glossary: BM queries, BN keys per program block or inner tile (dq: a block of BM queries,
-# tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do);
+# tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do) - dlse;
 # lse2 = lse in log2 units (scores are in log2 units: log2(e) folded into the scale).
 
 @triton.jit
 def softmax_bwd_preprocess_kernel(
     # pointers
-    o, do, lse, delta, lse2,
+    o, do, lse, dlse, delta, lse2,
     # dims
     Tq, H: tl.constexpr, V: tl.constexpr,
     # meta
-    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """delta = rowsum(o * do) and lse2 = lse * log2(e), both [B, H, Tq] ([H, T] packed: B = 1)."""
+    """delta = rowsum(o * do) - dlse (HAS_DLSE: a gradient reached the lse) and lse2 = lse * log2(e),
+    all [B, H, Tq] ([H, T] packed: B = 1)."""
     i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     ACC = tl.float64 if IS_FP64 else tl.float32
@@ -369,7 +378,11 @@ def softmax_bwd_preprocess_kernel(
     b_o = tl.load(o + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
     b_do = tl.load(do + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
     i_row = (i_b.to(tl.int64) * H + i_h) * Tq + o_t
-    tl.store(delta + i_row, tl.sum(b_o * b_do, 1), mask=m_t)
+    # [BT]
+    b_delta = tl.sum(b_o * b_do, 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(dlse + i_row, mask=m_t, other=0.0).to(ACC)
+    tl.store(delta + i_row, b_delta, mask=m_t)
     b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
     tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)
 
@@ -377,7 +390,7 @@ def softmax_bwd_preprocess_kernel(
 @triton.jit
 def softmax_bwd_dq_tiles(
     # carried
-    b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos,
+    b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos,
     # pointers
     k, v,
     # dims
@@ -385,10 +398,10 @@ def softmax_bwd_dq_tiles(
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    IS_FP64: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS, and of P for
-    float64) of one query block. MASKED tiles straddle a mask edge or the end of the keys."""
+    """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS) of one query
+    block. MASKED tiles straddle a mask edge or the end of the keys."""
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -413,9 +426,7 @@ def softmax_bwd_dq_tiles(
         b_ds = b_p * (b_dp - b_delta[:, None])
         # [BM, BK]
         b_dq += tl.dot(b_ds.to(DOT), tl.trans(b_kt), input_precision=DOT_PRECISION)
-        if IS_FP64:
-            b_c += tl.sum(b_p, 1)
-    return b_dq, b_dgq, b_c
+    return b_dq, b_dgq
 
 
 @triton.jit
@@ -477,23 +488,16 @@ def softmax_bwd_dq_kernel(
     i_edge = (p_lo + 1) // BN * BN
     hi = p_hi + 1
 
-    # [BM, BK] dq; [BM] row sums of dS (the decay bias) and of P (float64: lse refinement)
+    # [BM, BK] dq; [BM] row sums of dS (the decay bias)
     b_dq = tl.zeros([BM, BK], dtype=ACC)
     b_dgq = tl.zeros([BM], dtype=ACC)
-    b_c = tl.zeros([BM], dtype=ACC)
-    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, IS_FP64, DOT, DOT_PRECISION)
-    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
+    b_dq, b_dgq = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+    b_dq, b_dgq = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
 
-    if IS_FP64:
-        # P was exp2(s - lse2) with a float32 lse: renormalize the rows, and store the exact lse2
-        b_c = tl.where(m_m, b_c, 1.0)
-        b_dq = b_dq / b_c[:, None]
-        b_dgq = b_dgq / b_c
-        tl.store(lse2 + o_lse + o_m, b_lse2 + tl.log2(b_c), mask=m_m)
     b_dq = b_dq * ds_scale
     tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & m_k[None, :])
 
@@ -640,10 +644,10 @@ def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
     return block, tile, 8 if block * (BK + BV) > 4096 else 4, 2
 
 
-def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
+def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
     """Launch the backward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] (HK dividing H),
-    g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's float32 [B, H, Tq] ([H, total]
-    packed) -> dq, dk, dv, dg (None without decay)."""
+    g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's [B, H, Tq] ([H, total]
+    packed) and dlse its gradient (contiguous, or None) -> dq, dk, dv, dg (None without decay)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -668,7 +672,8 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
     lse2 = q.new_empty(lse.shape, dtype=acc)
     BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
     softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
-        o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
+        o, do, lse, dlse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, HAS_DLSE=dlse is not None,
+        num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN, warps, stages = softmax_bwd_config("dq", max_q, BK, BV, size, acc_size)
@@ -681,7 +686,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
         num_warps=warps, num_stages=stages,
     )
 
-    # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
+    # 3. dk, dv: key blocks of BN, query tiles of BM
     BN, BM, warps, stages = softmax_bwd_config("dkdv", max_k, BK, BV, size, acc_size)
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN) * N * HK,)](
@@ -707,14 +712,14 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
 def softmax_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], o: torch.Tensor, lse: torch.Tensor,
-    do: torch.Tensor,
+    do: torch.Tensor, dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
     return dq, dk, dv, dg if dg is not None else q.new_empty(0)
 
 
 @softmax_bwd_op.register_fake
-def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
+def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
         torch.empty_like(g) if g is not None else q.new_empty(0)
 
@@ -722,23 +727,26 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do):
 SOFTMAX_BACKWARD = ("parallel",)
 
 
-def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None):
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None, dlse=None):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
-    decay, None for cu_seqlens). lse is the forward's float32 [B, H, Tq] ([H, total] packed);
-    max_len the longest packed sequence (read from cu_seqlens when None)."""
+    decay, None for cu_seqlens). lse is the forward's [B, H, Tq] ([H, total] packed), dlse the
+    gradient of a loss on it (None: none); max_len the longest packed sequence (read from
+    cu_seqlens when None)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do)
+    dlse = dlse.contiguous() if dlse is not None else None
+    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
     return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel form: parallel (the FlashAttention-2 forward above). The op returns the output and
-# the log-sum-exp of each query's scores, which a backward reuses.
+# the log-sum-exp of each query's scores, which the backward reuses and differentiates
+# (return_lse hands it to the caller).
 
 def forward(q, k, v, g, cu_seqlens, scale, max_len):
     """Run the forward kernel (max_len: the longest packed sequence, with cu_seqlens). Returns
-    o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
+    o [B, Tq, H, V] and lse [B, H, Tq] ([H, T] packed; float32, float64 for float64 inputs)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
@@ -756,7 +764,7 @@ def op(
 @op.register_fake
 def _(q, k, v, g, cu_seqlens, scale, max_len):
     B, Tq, H, _ = q.shape
-    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
+    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
 
 
@@ -765,8 +773,9 @@ BACKWARD_FORMS = SOFTMAX_BACKWARD
 
 
 def backward(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
-    """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order."""
-    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len)
+    """Gradients of one call, of a loss on o and on lse: (dq, dk, dv, dg, None) in the op's
+    input order."""
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len, dlse)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -817,16 +826,29 @@ torch.library.register_autograd(op, _backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- the contract
-def attention(q, k, v, g=None, scale=None, cu_seqlens=None):
-    """The runtime contract (DESIGN.md §2) on these kernels: o [B, Tq, H, V]. attngen's runtime
-    (runtime_op) checks the inputs, fills the defaults and chooses the form, as attngen.load(SPEC)
-    does."""
-    return runtime_op().kernels(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens)
+def attention(q, k, v, g=None, scale=None, cu_seqlens=None, return_lse=False):
+    """The runtime contract (DESIGN.md §2) on these kernels: o [B, Tq, H, V], or (o, lse [B, Tq, H])
+    with return_lse. attngen's runtime (runtime_op) checks the inputs, fills the defaults and
+    chooses the form, as attngen.load(SPEC) does."""
+    return runtime_op().kernels(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, return_lse=return_lse)
 
 
-_contract = attention
+def _contract(q, k, v, g=None, scale=None, cu_seqlens=None):
+    return attention(q, k, v, g, scale, cu_seqlens)
+
+
+def _contract_lse(q, k, v, g=None, scale=None, cu_seqlens=None, *, return_lse):
+    # an op's outputs are fixed by its schema: (o, lse) whenever return_lse is passed, lse empty for False
+    o, lse = attention(q, k, v, g, scale, cu_seqlens, return_lse=True)
+    return o, lse if return_lse else lse.new_empty(0)
+
+
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, float? scale=None, "
                    "Tensor? cu_seqlens=None) -> Tensor")
+# torch.ops.attngen.<name>(..., return_lse=...): the dispatcher picks the overload whose schema
+# has the keyword
+CONTRACT_LSE_SCHEMA = (f"{SPEC_NAME}.lse(Tensor q, Tensor k, Tensor v, Tensor? g=None, float? scale=None, "
+                       "Tensor? cu_seqlens=None, *, bool return_lse) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops
@@ -843,6 +865,8 @@ if _OWNER is None:
     CONTRACT_LIBRARY = torch.library.Library("attngen", "FRAGMENT")
     CONTRACT_LIBRARY.define(CONTRACT_SCHEMA)
     CONTRACT_LIBRARY.impl(SPEC_NAME, _contract, "CompositeImplicitAutograd")
+    CONTRACT_LIBRARY.define(CONTRACT_LSE_SCHEMA)
+    CONTRACT_LIBRARY.impl(f"{SPEC_NAME}.lse", _contract_lse, "CompositeImplicitAutograd")
 else:
     CONTRACT_LIBRARY = None
     warnings.warn(f"attngen: torch.ops.attngen.{SPEC_NAME} is the op of spec hash {_OWNER.SPEC_HASH}; this module "
