@@ -1388,25 +1388,9 @@ def chunked_bwd_dqk_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q_phi = b_q
-    b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 1) + 1e-06)
-    b_q_hat = b_q_phi * b_q_rn[:, None]
-    b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-    # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-    b_G = tl.cumsum(b_g, 0)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
 
-    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF] sum_v h_c ⊙ dS
+    # by value blocks (the queries, keys and decays are loaded after this loop, which does not read
+    # them: they would hold registers through it): [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF] sum_v h_c ⊙ dS
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dki = tl.zeros([BT, BF], dtype=tl.float32)
@@ -1433,6 +1417,23 @@ def chunked_bwd_dqk_kernel(
         b_dgc += tl.sum(b_hct * b_dst, 0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q_phi = b_q
+    b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 1) + 1e-06)
+    b_q_hat = b_q_phi * b_q_rn[:, None]
+    b_qs = b_q_hat * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in float64
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    # [BF]
+    b_GC = tl.sum(b_g, 0)
+    # Γ_t and Γ_C/Γ_t; [BF] Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
 
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
     b_dq = b_dqh * b_gam
@@ -1556,32 +1557,13 @@ def chunked_bwd_wy_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k_phi = b_k
-    b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
-    b_k_hat = b_k_phi * b_k_rn[:, None]
-    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
     # [BT] (0 on padded tokens)
     b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-    b_G = tl.cumsum(b_g, 0)
-    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_t = tl.exp(b_Gt.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] T = (I + A)^-1 as chunked_ut_kernel stored its rows, and T^T loaded transposed
-    b_T = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
     b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
 
-    # by value blocks: dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T
+    # by value blocks (the keys, decays and T are loaded after this loop, which does not read them):
+    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T
     # and dT^T = X dU^T + Y dW^T; [BT, BF] dW = -dU h_c^T, [BF, BT] dW^T
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
@@ -1608,12 +1590,33 @@ def chunked_bwd_wy_kernel(
         b_dTt = chunked_dot(b_v * b_beta[:, None], b_dut, DOT_PRECISION, b_dTt)
         b_dw = chunked_dot(-b_du, b_hct, DOT_PRECISION, b_dw)
         b_dwt = chunked_dot(-b_hc, b_dut, DOT_PRECISION, b_dwt)
+    # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k_phi = b_k
+    b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
+    b_k_hat = b_k_phi * b_k_rn[:, None]
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
+    # [BF]
+    b_GC = tl.sum(b_g, 0)
+    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_t = tl.exp(b_Gt.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
     # [BT, BF] Y = diag(β) (K̂ ⊙ Γ), [BF, BT] Y^T: the Y terms of dT and dT^T
     b_kg = b_k_hat * b_gam
     b_yt = b_kt * b_gam_t * b_beta[None, :]
     b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, b_dT)
     b_dTt = chunked_dot(b_kg * b_beta[:, None], b_dwt, DOT_PRECISION, b_dTt)
-    # [BT, BT] dA = -T^T dT T^T on s < t, in [t, s]; its transpose -T dT^T T in [s, t]
+    # [BT, BT] dA = -T^T dT T^T on s < t, in [t, s]; its transpose -T dT^T T in [s, t], T = (I + A)^-1
+    # as chunked_ut_kernel stored its rows
+    b_T = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
     b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
     b_dAt = tl.where(m_strict_t, -chunked_dot(chunked_dot(b_T, b_dTt, DOT_PRECISION), b_T, DOT_PRECISION), 0.0)
     # [BT, BF] dY = T^T dW
