@@ -1165,11 +1165,12 @@ def chunked_bwd_dqk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks (the queries, keys and decays are loaded after this loop, which does not read
-    # them: they would hold registers through it): [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF] sum_v h_c ⊙ dS
+    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
+    # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
+    # them: they would hold registers through it)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dki = tl.zeros([BT, BF], dtype=tl.float32)
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     b_dgc = tl.zeros([BF], dtype=tl.float32)
@@ -1187,7 +1188,7 @@ def chunked_bwd_dqk_kernel(
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
         b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
-        b_dki = chunked_dot(b_u, b_dst, DOT_PRECISION, b_dki)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
         b_dgc += tl.sum(b_hct * b_dst, 0)
@@ -1209,7 +1210,8 @@ def chunked_bwd_dqk_kernel(
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)
-    b_dki = b_dki
+    b_dki = b_uds
+
     # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
     tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
     # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
@@ -1325,6 +1327,7 @@ def chunked_bwd_wy_kernel(
     b_dka = tl.zeros([BT, BF], dtype=tl.float32)
     b_dAkt = b_dAt * b_beta[None, :]
     b_dka = chunked_dot(tl.where(m_strict_t, b_dAkt, 0.0), b_k_hat, DOT_PRECISION, b_dka)
+
     # [BT, BF] dk̂, with step 4's share -> the gradient of the raw keys
     b_dk = tl.load(dk_part + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0) + b_dkr + b_dka
     # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
@@ -1354,11 +1357,15 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
     meta = dict(BT=chunk, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
                 num_warps=CHUNKED_BWD_WARPS, maxnreg=MAXNREG)
+    # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
+    # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
+    # fp32 in step 4, 43 KB and 98 KB in step 5, whose fp32 dots stage 98 KB with one stage already)
+    parallel = dict(BK=BK, num_stages=2, **meta)
     # step 2: the intra-chunk dU (completed in place by step 3) and the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **tiles), torch.empty(B, T, H, F, **tiles)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](
         q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
-        f_scale=F ** -0.5, BK=BK, num_stages=1, **meta,
+        f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dU, dh0. The tiles one chunk loads: the decayed keys, the
     # queries and W transposed, dU and do
@@ -1375,14 +1382,14 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dg_part = None
     chunked_bwd_dqk_kernel[(st.n_slots, H)](
         q, k, g, omega, do, st.u, st.h, ds, dq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
-        x_scale=K ** -0.25, f_scale=F ** -0.5, BK=BK, num_stages=1, **meta,
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     # step 5: the UT transform's backward -> dk, dv, dβ
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = None
     chunked_bwd_wy_kernel[(st.n_slots, H)](
         k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
-        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, BK=BK, num_stages=1, **meta,
+        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
