@@ -1302,7 +1302,7 @@ def chunked_bwd_wy_kernel(
     b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
 
-    # [BT, BF] Y = diag(β) (K̂), [BF, BT] Y^T: the Y terms of dT and dT^T
+    # [BT, BF] K̂ and [BF, BT] Y^T, Y = diag(β) (K̂): the Y terms of dT and dT^T
     b_kg = b_k_hat
     b_yt = b_kt * b_beta[None, :]
     b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, b_dT)

@@ -1328,9 +1328,9 @@ def chunked_bwd_dqk_kernel(
     b_dki = b_uds * b_gam_rest[:, None]
     # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
     # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_r = tl.sum(b_qs * b_dq - b_k * b_dk, 1).to(tl.float64)
-    b_ri = tl.sum(b_k * b_dki, 1).to(tl.float64)
-    b_dg = tl.sum(b_r, 0, keep_dims=True) - tl.cumsum(b_r, 0) + b_r + tl.cumsum(b_ri, 0) - b_ri + (tl.sum(b_dgc, 0) * b_gam_C).to(tl.float64)
+    b_dgs = tl.sum(b_qs * b_dq - b_k * b_dk, 1).to(tl.float64)
+    b_dgi = tl.sum(b_k * b_dki, 1).to(tl.float64)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(tl.float64)
     tl.store(dg_part + o_tok, b_dg.to(tl.float32), mask=m_t)
     # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
     tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
@@ -1429,7 +1429,7 @@ def chunked_bwd_wy_kernel(
     b_gam = tl.exp(b_G.to(tl.float32))
     b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BF] Y = diag(β) (K̂ ⊙ Γ), [BF, BT] Y^T: the Y terms of dT and dT^T
+    # [BT, BF] K̂ ⊙ Γ and [BF, BT] Y^T, Y = diag(β) (K̂ ⊙ Γ): the Y terms of dT and dT^T
     b_kg = b_k_hat * b_gam[:, None]
     b_yt = b_kt * b_gam[None, :] * b_beta[None, :]
     b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, b_dT)
@@ -1457,8 +1457,8 @@ def chunked_bwd_wy_kernel(
     b_dAkt = b_dAt * b_beta[None, :]
     b_dka = chunked_dot(b_dAkt * b_Dt, b_k_hat, DOT_PRECISION, b_dka)
     # the decay gradient: A's and Y's terms, the reverse sum inside the chunk of k̂ ⊙ (dk̂r - dk̂'), and step 4's
-    b_r = tl.sum(b_k_hat * (b_dkr - b_dka), 1).to(tl.float64)
-    b_dg = tl.sum(b_r, 0, keep_dims=True) - tl.cumsum(b_r, 0) + b_r
+    b_dgs = tl.sum(b_k_hat * (b_dkr - b_dka), 1).to(tl.float64)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs
     b_dg += tl.load(dg_part + o_tok, mask=m_t, other=0.0).to(tl.float64)
     tl.store(dg + o_tok, b_dg.to(dg.dtype.element_ty), mask=m_t)
     # [BT, BF] dk̂, with step 4's share -> the gradient of the raw keys
