@@ -1155,7 +1155,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # h_c, dS, U, dO, dU, K̂ loaded in the layouts the dots take: no value is transposed (tl.trans of a
 # dot's result miscompiles on Hopper with Triton 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the
 # step that applies the chain rule. Steps 4 and 5 are not fused: each holds two [BT, BF] and two
-# [BT, BT] float32 accumulators over its value loop, together more than the registers of one program.
+# [BT, BT] float32 accumulators over its value loop, and each alone already uses all 255 registers
+# (gated_deltanet bf16 at K = V = 128 and 32-token chunks: step 4 spills 1.3 KB; bench/compile_time.py).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] float32, (I + A)^-1
 # [B, T, H, chunk] float32, W, K̂ ⊙ Γ_C/Γ [B, T, H, F] and U [B, T, H, V] (chunked_pass_dtype), Γ_C; the state
 # gradient per chunk dS [chunk slots, H, F, V] float32; dU [B, T, H, V] and Q̂ ⊙ Γ [B, T, H, F]
