@@ -311,7 +311,9 @@ MEMORY = {
               "values, T x (F + V), and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
               "recurrent backward keeps per-token partials, O(T (K + V)) per head times the value blocks; the "
               "chunked backward recomputes the chunk-start states at chunks of at most 32 tokens (T/32 x F x "
-              "V floats per head) and keeps per-value-block dq/dk partials, transient inside the backward",
+              "V floats per head) and keeps per-value-block dq/dk partials (additive rules) or, with the delta "
+              "rule, the state gradient per chunk (as many floats as the states) and per-token pieces (dU, the "
+              "decayed queries, a dk part: T x (2F + V)), transient inside the backward",
 }
 
 

@@ -20,7 +20,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -555,7 +555,7 @@ def chunked_states_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
@@ -810,11 +810,23 @@ def chunked_pass_dtype(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
-def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u):
-    """The keys (chunked_keys_kernel) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
-    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
-    n_slots). Shared by the forward and the backward."""
+class ChunkedStates(NamedTuple):
+    """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
+    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
+    kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
+    gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
+    w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
+    u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
+    ai: Optional[torch.Tensor]              # [B, T, H, chunk] float32: the rows of (I + A)^-1
+    chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
+    chunk_seq: Optional[torch.Tensor]
+    n_slots: int
+
+
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state):
+    """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
+    Shared by the forward and the backward; kr is in chunked_pass_dtype."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
@@ -838,10 +850,10 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     chunked_states_kernel[(N * H, triton.cdiv(V, BVS))](
         k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
         T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state,
         BV=BVS, num_warps=states_warps, maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
-    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
@@ -852,16 +864,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     BK, BF, _ = chunked_blocks(K, V, F)
     BV, warps = chunked_launch("output", q.dtype, K, V, F)
     chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
-    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, store_u=False)
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state)
     o = torch.empty_like(v)
-    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
         DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=warps, maxnreg=MAXNREG,
     )
-    return o, ht
+    return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
 # [v, 1]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
@@ -1003,7 +1014,7 @@ def chunked_bwd_kernel(
 @triton.jit
 def chunked_bwd_qk_kernel(
     # pointers
-    q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1094,9 +1105,9 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
     NV = triton.cdiv(V, BV)
-    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
-    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False, store_u=False)
+    # kernel 1: the forward's sequential pass, for the chunk-start states
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False)
+    h, chunk_offsets, chunk_seq, n_chunks = st.h, st.chunk_offsets, st.chunk_seq, st.n_slots
     f32 = dict(device=q.device, dtype=torch.float32)
     # the normalizer n and the value blocks' shares of c, from the forward's output kernel
     norm = torch.empty(B, T, H, **f32)
@@ -1119,7 +1130,6 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dki_part = dgc_part = None
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    dkr_part = dbeta = None
     chunked_bwd_kernel[(N * H, NV)](
         q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
         cu_seqlens, chunk_offsets,
@@ -1128,11 +1138,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
     chunked_bwd_qk_kernel[(n_chunks, H)](
-        q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
+        q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=CHUNKED_BWD_WARPS, num_stages=1, maxnreg=MAXNREG,
     )
-    return dq, dk, dv, dg, dbeta, None, dh0, None
+    return dq, dk, dv, dg, None, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).

@@ -20,7 +20,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
