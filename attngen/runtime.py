@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner
+from . import algebra, codegen, forms, planner, serving
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
@@ -33,7 +33,8 @@ def _random_features(spec: Spec, head_dim: int) -> torch.Tensor:
 class Op:
     """A compiled attention op. Linear: op(q, k, v, g, beta, scale, initial_state,
     output_final_state, cu_seqlens) -> (o, final_state); softmax: op(q, k, v, g, scale,
-    cu_seqlens) -> o. `form=` and `chunk_size=` force the planner's choice."""
+    cu_seqlens) -> o. `form=` and `chunk_size=` force the planner's choice; `cache=` and `slots=`
+    serve requests from an attngen.StateCache (serving.py)."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -74,7 +75,10 @@ class Op:
 
     def __call__(self, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                  output_final_state=False, cu_seqlens=None, *, form: str | None = None,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, cache: serving.StateCache | None = None, slots=None):
+        if cache is not None or slots is not None:
+            return self._serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form,
+                               chunk_size, cache, slots)
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                  cu_seqlens, form, chunk_size)
         if _use_kernels(self.spec, q):
@@ -88,6 +92,56 @@ class Op:
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                  cu_seqlens, None, None)
         return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+    def _serve(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
+               cache, slots):
+        """A call on a StateCache: sequence n starts from the state in slot slots[n] and its final
+        state is written back there -> (o, None)."""
+        if not self.spec.is_linear:
+            raise ValueError(f"cache: spec {self.spec.name!r} has attention: softmax; a StateCache serves "
+                             "attention: linear ops")
+        if cache is None or slots is None:
+            raise ValueError("cache, slots: a call on a state cache takes both (the cache and one slot per sequence)")
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state, output_final_state: a call on a cache reads each sequence's initial "
+                             "state from its slot and writes the final state back there; pass neither")
+        call = check_linear(self.spec, q, k, v, g, beta, scale, None, cu_seqlens)
+        serving.check_cache(self.spec, call, q, cache, slots)
+        serving.check_inference(q=q, k=k, v=v, g=g, beta=beta)
+        if validating():
+            validate_values(q, k, v, g, beta)
+            serving.validate_slots(slots, cache.num_slots)
+        choice = self.choose(call, form, chunk_size)
+        cu_seqlens = packed_offsets(cu_seqlens)
+        if _use_kernels(self.spec, q):
+            if self._kernels is None:
+                self._kernels = kernels_for(self)
+            omega = self.features(call.head_dim, q.device, torch.float32)
+            kform, chunk = kernel_form(self.spec, choice, call)
+            if torch.compiler.is_compiling():
+                # the registered op (mutating the cache), which torch.compile traces
+                return self._kernels.cached_op(q, k, v, g, beta, omega, cache.state, slots, cu_seqlens, call.scale,
+                                               kform, chunk), None
+            # eagerly the same launches without the dispatcher's pass over a mutating op (some
+            # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
+            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, chunk,
+                                         True, slots)[0], None
+        run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
+        return serving.run_torch(run, cache, slots), None
+
+    def prepare_decode(self, cache: serving.StateCache, batch: int, dtype: torch.dtype = torch.float32,
+                       tokens: int = 1, scale: float | None = None) -> serving.DecodeStep:
+        """A decode step of `batch` sequences of `tokens` tokens on `cache`, checked and planned once:
+        step(q, k, v, g=None, beta=None, *, slots) -> o (serving.DecodeStep). Where the kernels run
+        (route, read now) a call launches the token loop alone; elsewhere it is a call of the op."""
+        if not self.spec.is_linear:
+            raise ValueError(f"prepare_decode: spec {self.spec.name!r} has attention: softmax; decode steps are "
+                             "prepared for attention: linear ops")
+        device = cache.state.device if isinstance(cache, serving.StateCache) else torch.device("cpu")
+        module = None
+        if route(self.spec, device.type, dtype)[0] == "triton":
+            module = self._kernels = self._kernels or kernels_for(self)
+        return serving.DecodeStep(self, cache, batch, tokens, dtype, scale, module, validating())
 
     def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
         if self.spec.is_linear:
