@@ -251,8 +251,6 @@ def small_cache(op, **kw):
 
 
 BAD_CACHES = {
-    "softmax op": (lambda: small_cache(shipped("softmax_causal")),
-                   r"^op: spec 'softmax_causal' has attention: softmax"),
     "bidirectional": (lambda: small_cache(shipped("linear_bidirectional")), r"^op: .* mask: bidirectional"),
     "no slots": (lambda: small_cache(shipped("mamba2"), slots=0), r"^slots: expected a positive integer, got 0"),
     "bf16 state": (lambda: small_cache(shipped("mamba2"), dtype=torch.bfloat16), r"^dtype: expected torch.float32"),
@@ -349,3 +347,180 @@ def test_torch_compile_fullgraph(triton_backend):
         got = torch.compile(layer, fullgraph=True)(compiled, **x)
     assert rel_error(got, want) < 1e-6
     assert rel_error(compiled.state, eager.state) < 1e-6 and eager.state[2].abs().max() > 0
+
+
+# ---------------------------------------------------------------------------- softmax caches
+# a sliding window small enough for its ring to wrap in a short test (L = 4 + 3 - 1 = 6 rows)
+SMALL_WINDOW = dict(name="serve_window", attention="softmax", mask="sliding_window", window=4)
+HQ, HKV = 4, 2
+
+
+def softmax_op(name):
+    return attngen.load(SMALL_WINDOW) if name == "small_window" else shipped(name)
+
+
+def softmax_request(spec, length, seed):
+    """One request's q [1, length, HQ, K], k and v [1, length, HKV, *] (grouped-query heads)."""
+    return random_inputs(spec, Shape(1, length, HQ, K, V, kv_heads=HKV), dtype=torch.float32, seed=seed)
+
+
+def softmax_cache(op, slots, **kw):
+    rows = dict(max_piece=3) if op.spec.name == SMALL_WINDOW["name"] else dict(max_len=16)
+    return attngen.StateCache(op, slots=slots, heads=HKV, head_dim=K, value_dim=V, **{**rows, **kw})
+
+
+def assert_attends_like_oracle(spec, inputs, o, what):
+    wide = {n: t.to(torch.float64) for n, t in inputs.items()}
+    ref, low = reference(spec, **wide), reference(spec, **wide, dtype=torch.float32)
+    err, tol = rel_error(o, ref), tolerance(torch.float32, rel_error(low, ref))
+    assert err <= tol, f"{what}: o rel err {err:.2e} > tol {tol:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "small_window"])
+def test_softmax_continuous_batching(name, backend, monkeypatch, tmp_path):
+    """Softmax layers on a key/value cache: requests prefilled (two packed), then decoded (a
+    prepared step) in a batch whose order and padding change every step, leaving and their slots
+    reused; each
+    request's outputs equal attention over its whole sequence (grouped-query heads; the small
+    window's ring of 6 rows wraps)."""
+    monkeypatch.setenv("ATTNGEN_BACKEND", backend)
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path))
+    op = softmax_op(name)
+    rng = random.Random(1)
+    plan = [(9, 3, 0), (6, 2, 0), (7, 3, 2), (5, 1, 4)]
+    reqs = [softmax_request(op.spec, length, seed) for seed, (length, _, _) in enumerate(plan)]
+    cache = softmax_cache(op, 5)
+    step = op.prepare_decode(cache, batch=3, heads=HQ)
+    free, slot_of, done, outs, left = [4, 0, 2], {}, {}, {r: [] for r in range(len(plan))}, set()
+    pad = softmax_request(op.spec, 1, 99)
+    with torch.no_grad():
+        for t in range(12):
+            joining = [r for r, (_, _, at) in enumerate(plan) if at == t]
+            if joining:
+                for r in joining:
+                    slot_of[r], done[r] = free.pop(), plan[r][1]
+                cache.reset([slot_of[r] for r in joining])
+                pieces = [tokens(reqs[r], 0, plan[r][1]) for r in joining]
+                packed = {n: torch.cat([p[n] for p in pieces], 1) for n in pieces[0]}
+                cu = torch.tensor([0, *torch.tensor([plan[r][1] for r in joining]).cumsum(0).tolist()],
+                                  dtype=torch.int32)
+                o = op(**packed, cu_seqlens=cu if len(joining) > 1 else None, cache=cache,
+                       slots=torch.tensor([slot_of[r] for r in joining], dtype=torch.int32))
+                for r, a, b in zip(joining, cu[:-1].tolist(), cu[1:].tolist()):
+                    outs[r].append(o[:, a:b])
+            active = [r for r in slot_of if r not in left]
+            if not active:
+                continue
+            rows = active + [None] * (3 - len(active))
+            rng.shuffle(rows)
+            batch = stack([tokens(reqs[r], done[r], done[r] + 1) if r is not None else pad for r in rows])
+            o = step(**batch, slots=torch.tensor([slot_of[r] if r is not None else -1 for r in rows],
+                                                 dtype=torch.int32))
+            for i, r in enumerate(rows):
+                if r is not None:
+                    outs[r].append(o[i:i + 1])
+                    done[r] += 1
+                    if done[r] == plan[r][0]:
+                        left.add(r)
+                        free.insert(0, slot_of[r])
+    assert left == set(range(len(plan)))
+    for r in range(len(plan)):
+        assert_attends_like_oracle(op.spec, reqs[r], torch.cat(outs[r], 1), f"request {r}")
+    # slots 1 and 3 were never handed out: padding stored nothing
+    assert cache.lengths[[1, 3]].abs().max() == 0
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=5))
+@pytest.mark.parametrize("name", ["softmax_causal", "small_window"])
+def test_softmax_chunked_prefill(name, triton_backend, pieces):
+    """A prompt prefilled into a key/value cache in pieces of random lengths (up to the small
+    window's max_piece) equals attention over the whole prompt."""
+    op = softmax_op(name)
+    reqs = [softmax_request(op.spec, sum(pieces), seed) for seed in (1, 2)]
+    whole = stack(reqs)
+    cache = softmax_cache(op, 3)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    outs, start = [], 0
+    with torch.no_grad():
+        for size in pieces:
+            outs.append(op(**tokens(whole, start, start + size), cache=cache, slots=slots))
+            start += size
+    o = torch.cat(outs, 1)
+    for i, req in enumerate(reqs):
+        assert_attends_like_oracle(op.spec, req, o[i:i + 1], f"pieces {pieces}, row {i}")
+    assert cache.lengths.tolist() == [sum(pieces), 0, sum(pieces)]
+
+
+def test_ring_keys_split_across_programs(triton_backend, monkeypatch):
+    """A decode query on a sliding-window ring of exactly window rows (256, max_piece 1), its keys
+    split across programs (flash-decoding): the splits start at the first key tile, which lies up
+    to a tile before the window, and together reach the query's own key. Against the PyTorch
+    forms on the same cache."""
+    op = attngen.load(dict(name="serve_window256", attention="softmax", mask="sliding_window", window=256))
+    gen = torch.Generator().manual_seed(0)
+    caches = []
+    for _ in range(2):
+        cache = attngen.StateCache(op, slots=2, heads=1, head_dim=16, value_dim=16, max_piece=1)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+        cache.lengths.fill_(299)
+        caches.append(cache)
+    x = {n: torch.randn(1, 1, 1, 16, generator=gen) for n in ("q", "k", "v")}
+    slots = torch.tensor([1], dtype=torch.int32)
+    with torch.no_grad():
+        got = op(**x, cache=caches[0], slots=slots)
+        monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+        want = op(**x, cache=caches[1], slots=slots)
+    assert rel_error(got, want) < 1e-6
+    assert torch.equal(caches[0].k, caches[1].k) and caches[0].lengths.tolist() == [299, 300]
+
+
+SOFTMAX_BAD = {
+    "decay": (lambda: softmax_cache(shipped("forgetting_attention"), 2),
+              r"^op: spec 'forgetting_attention' has decay: scalar"),
+    "no max_len": (lambda: attngen.StateCache(shipped("softmax_causal"), 2, HKV, K, V),
+                   r"^max_len: a causal softmax cache keeps every key"),
+    "max_piece on causal": (lambda: softmax_cache(shipped("softmax_causal"), 2, max_piece=4), r"^max_piece: only"),
+    "max_len on linear": (lambda: attngen.StateCache(shipped("mamba2"), 2, H, K, V, max_len=8), r"^max_len, max_piece"),
+}
+
+
+@pytest.mark.parametrize("case", SOFTMAX_BAD, ids=list(SOFTMAX_BAD))
+def test_bad_softmax_cache(case):
+    make, match = SOFTMAX_BAD[case]
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(piece=4), r"^q: a sequence of 4 new tokens on a sliding-window cache of 6 rows \(window 4\) would "
+                    r"overwrite keys its first queries need; at most 3"),
+    (dict(kv_heads=1), r"^cache: holds keys \[slots, L, H_kv, K\] = \[3, 6, 2, 8\] .* needs H_kv, K, V = \(1, 8, 6\)"),
+    (dict(dtype=torch.bfloat16), r"^cache: holds torch.float32 keys, but the inputs are torch.bfloat16"),
+    (dict(more_keys=True), r"^k: with a cache, k and v hold the new tokens' keys and values, one per query"),
+    (dict(beta=True), r"^beta, initial_state, output_final_state: softmax attention takes none"),
+])
+def test_bad_softmax_call(change, match):
+    op = attngen.load(SMALL_WINDOW)
+    cache = softmax_cache(op, 3)
+    x = random_inputs(op.spec, Shape(1, change.get("piece", 2), HQ, K, V, kv_heads=change.get("kv_heads", HKV),
+                                     k_len=3 if change.get("more_keys") else None), dtype=torch.float32)
+    x = {n: t.to(change.get("dtype", torch.float32)) for n, t in x.items()}
+    if change.get("beta"):
+        x["beta"] = torch.ones(1, 2, HQ)
+    with torch.no_grad(), pytest.raises(ValueError, match=match):
+        op(**x, cache=cache, slots=torch.tensor([0], dtype=torch.int32))
+
+
+def test_softmax_cache_room_in_debug_mode(monkeypatch):
+    """ATTNGEN_VALIDATE=1: a causal cache (whose rows do not wrap) must have room for the new keys."""
+    monkeypatch.setenv("ATTNGEN_VALIDATE", "1")
+    op = shipped("softmax_causal")
+    cache = softmax_cache(op, 2, max_len=4)
+    x = softmax_request(op.spec, 3, 0)
+    with torch.no_grad():
+        op(**x, cache=cache, slots=torch.tensor([1], dtype=torch.int32))
+        with pytest.raises(ValueError, match=r"^slots: slot 1 at \[0\] holds 3 tokens; 3 more exceed its 4 rows"):
+            op(**x, cache=cache, slots=torch.tensor([1], dtype=torch.int32))
