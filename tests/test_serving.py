@@ -524,3 +524,26 @@ def test_softmax_cache_room_in_debug_mode(monkeypatch):
         op(**x, cache=cache, slots=torch.tensor([1], dtype=torch.int32))
         with pytest.raises(ValueError, match=r"^slots: slot 1 at \[0\] holds 3 tokens; 3 more exceed its 4 rows"):
             op(**x, cache=cache, slots=torch.tensor([1], dtype=torch.int32))
+
+
+def test_softmax_torch_compile_fullgraph(triton_backend):
+    """A layer appending to and attending over a key/value cache compiles without a graph break
+    and leaves the cache as the eager call does."""
+    import torch._functorch.config
+    import torch._inductor.config
+
+    op = attngen.load(SMALL_WINDOW)
+    x = stack([softmax_request(op.spec, 3, seed) for seed in (0, 1)])
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    eager, compiled = softmax_cache(op, 3), softmax_cache(op, 3)
+
+    def layer(cache, q, k, v):
+        return op(q, k, v, cache=cache, slots=slots) * 2
+
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        want = layer(eager, **x)
+        got = torch.compile(layer, fullgraph=True)(compiled, **x)
+    assert rel_error(got, want) < 1e-6
+    assert torch.equal(compiled.k, eager.k) and compiled.lengths.tolist() == eager.lengths.tolist() == [3, 0, 3]
