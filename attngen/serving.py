@@ -1,11 +1,13 @@
-"""Serving (README.md, "Serving"): a per-layer state cache indexed by request slot, the checks of
-a call on it, and a decode step prepared once for fixed shapes.
+"""Serving (README.md, "Serving"): a per-layer cache indexed by request slot (a linear op's
+recurrent states, a softmax op's keys and values), the checks of a call on it, and a decode step
+prepared once for fixed shapes.
 
 Continuous batching: each request owns a slot of every layer's cache for its lifetime. A prefill
 or decode call passes the cache and one slot index per sequence of the call; the kernels read each
-sequence's initial state from its slot and write its final state back there, in place (no
-gather or scatter in PyTorch). A slot of -1 marks a padding entry of a batch (a CUDA graph
-captured for more sequences than are running): its state is neither read nor written.
+sequence's initial state from its slot and write its final state back there (or append its keys
+and values and attend to the slot's), in place (no gather or scatter in PyTorch). A slot of -1
+marks a padding entry of a batch (a CUDA graph captured for more sequences than are running):
+nothing of its slot is read or written.
 """
 from __future__ import annotations
 
@@ -211,7 +213,6 @@ def run_torch(run, cache: StateCache, slots: torch.Tensor):
         o, ht = run(s0)
         cache.state[rows[valid]] = ht[valid].to(cache.state.dtype)
     return o
-
 
 
 def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_seqlens):

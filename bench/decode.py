@@ -53,7 +53,7 @@ def main() -> None:
     for batch in map(int, args.batch.split(",")):
         x = dict(q=torch.randn(batch, 1, H, K), k=torch.randn(batch, 1, H, K), v=torch.randn(batch, 1, H, V),
                  g=torch.nn.functional.logsigmoid(torch.randn(batch, 1, H) + 2), beta=torch.rand(batch, 1, H))
-        x = {n: t.cuda().to(torch.bfloat16 if n in "qkv" else torch.float32) for n, t in x.items()}
+        x = {n: t.cuda().to(torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n, t in x.items()}
         cache = attngen.StateCache(op, slots=max(args.slots, batch), heads=H, head_dim=K, value_dim=V, device="cuda")
         cache.state.normal_(0, 0.1)
         slots = torch.randperm(cache.num_slots, device="cuda")[:batch].to(torch.int32)
