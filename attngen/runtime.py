@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner
+from . import algebra, codegen, forms, planner, serving
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
@@ -35,7 +35,8 @@ class Op:
     output_final_state, cu_seqlens) -> (o, final_state); softmax: op(q, k, v, g, scale,
     cu_seqlens) -> o, or (o, lse) with return_lse=True (lse [B, Tq, H]: each query's
     natural-log log-sum-exp of its allowed scaled scores, float32, float64 for float64 inputs;
-    differentiable). `form=` and `chunk_size=` force the planner's choice."""
+    differentiable). `form=` and `chunk_size=` force the planner's choice; `cache=` and `slots=`
+    serve requests from an attngen.StateCache (serving.py)."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -76,7 +77,12 @@ class Op:
 
     def __call__(self, q, k, v, g=None, beta=None, scale=None, initial_state=None,
                  output_final_state=False, cu_seqlens=None, *, return_lse: bool = False, form: str | None = None,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, cache: serving.StateCache | None = None, slots=None):
+        if cache is not None or slots is not None:
+            if return_lse is not False:
+                raise ValueError(f"return_lse: a call on a state cache returns no log-sum-exp, got {return_lse!r}")
+            return self._serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form,
+                               chunk_size, cache, slots)
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                  cu_seqlens, return_lse, form, chunk_size)
         if _use_kernels(self.spec, q):
@@ -93,6 +99,86 @@ class Op:
                                                  cu_seqlens, return_lse, None, None)
         return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                  return_lse)
+
+    def _serve(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
+               cache, slots):
+        """A call on a StateCache: sequence n starts from the state in slot slots[n] and its final
+        state is written back there -> (o, None); softmax: its keys and values appended to the
+        slot, its queries attending to the slot's keys -> o."""
+        if cache is None or slots is None:
+            raise ValueError("cache, slots: a call on a state cache takes both (the cache and one slot per sequence)")
+        if not self.spec.is_linear:
+            return self._serve_keys(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form,
+                                    cache, slots)
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state, output_final_state: a call on a cache reads each sequence's initial "
+                             "state from its slot and writes the final state back there; pass neither")
+        call = check_linear(self.spec, q, k, v, g, beta, scale, None, cu_seqlens)
+        serving.check_cache(self.spec, call, q, cache, slots)
+        serving.check_inference(q=q, k=k, v=v, g=g, beta=beta)
+        if validating():
+            validate_values(q, k, v, g, beta)
+            serving.validate_slots(slots, cache.num_slots)
+        choice = self.choose(call, form, chunk_size)
+        cu_seqlens = packed_offsets(cu_seqlens)
+        if _use_kernels(self.spec, q):
+            if self._kernels is None:
+                self._kernels = kernels_for(self)
+            omega = self.features(call.head_dim, q.device, torch.float32)
+            kform, chunk = kernel_form(self.spec, choice, call)
+            if torch.compiler.is_compiling():
+                # the registered op (mutating the cache), which torch.compile traces
+                return self._kernels.cached_op(q, k, v, g, beta, omega, cache.state, slots, cu_seqlens, call.scale,
+                                               kform, chunk), None
+            # eagerly the same launches without the dispatcher's pass over a mutating op (some
+            # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
+            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, chunk,
+                                         True, slots)[0], None
+        run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
+        return serving.run_torch(run, cache, slots), None
+
+    def _serve_keys(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, cache,
+                    slots):
+        if beta is not None or initial_state is not None or output_final_state:
+            raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of these (they "
+                             "are for attention: linear)")
+        call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        serving.check_cache(self.spec, call, q, cache, slots)
+        serving.check_inference(q=q, k=k, v=v)
+        if validating():
+            validate_values(q, k, v, g)
+            serving.validate_slots(slots, cache.num_slots)
+            cu = cu_seqlens.tolist() if cu_seqlens is not None else None
+            serving.validate_room(cache, slots, [call.q_len] * call.num_seqs if cu is None else
+                                  [b - a for a, b in zip(cu, cu[1:])])
+        choice = self.choose(call, form)
+        cu_seqlens = packed_offsets(cu_seqlens)
+        if _use_kernels(self.spec, q):
+            if self._kernels is None:
+                self._kernels = kernels_for(self)
+            args = (q, k, v, cache.k, cache.v, cache.lengths, slots, cu_seqlens, call.scale, call.max_len)
+            if torch.compiler.is_compiling():
+                return self._kernels.cached_op(*args)
+            return self._kernels.cached_forward(*args)
+
+        def attend(q_n, k_n, v_n):
+            call_n = check_softmax(self.spec, q_n, k_n, v_n, None, call.scale)
+            return self._run_torch(call_n, choice, q_n, k_n, v_n, None, None, None, False, None)
+
+        return serving.run_torch_keys(attend, cache, slots, q, k, v, cu_seqlens)
+
+    def prepare_decode(self, cache: serving.StateCache, batch: int, dtype: torch.dtype = torch.float32,
+                       tokens: int = 1, scale: float | None = None, heads: int | None = None) -> serving.DecodeStep:
+        """A decode step of `batch` sequences of `tokens` tokens on `cache`, checked and planned once:
+        step(q, k, v, g=None, beta=None, *, slots) -> o (serving.DecodeStep); heads: a softmax op's
+        query heads (default: the cache's key / value heads). Where the kernels run (route, read
+        now) a call launches them alone; elsewhere it is a call of the op."""
+        held = getattr(cache, "state" if self.spec.is_linear else "k", None)
+        device = held.device if isinstance(held, torch.Tensor) else torch.device("cpu")
+        module = None
+        if route(self.spec, device.type, dtype)[0] == "triton":
+            module = self._kernels = self._kernels or kernels_for(self)
+        return serving.DecodeStep(self, cache, batch, tokens, dtype, scale, module, validating(), heads)
 
     def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, return_lse, form,
                  chunk_size):

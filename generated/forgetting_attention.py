@@ -64,6 +64,9 @@ def floor_log_decay(x):
 # log-decay floor, so a reset g = -inf gives a bias of about the floor, not NaN). G arrives as
 # float32 pairs g_hi + g_lo and the bias is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): accurate
 # to about an ulp of the bias itself however large G grows, and the backward's bits.
+# KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
+# a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
+# this call's own appended first by kv_append_kernel.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).
@@ -75,11 +78,11 @@ def softmax_fwd_tiles(
     # pointers
     k, v, g_hi, g_lo,
     # dims
-    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
+    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale, L,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     """Fold the key tiles starting in [lo, hi) into the online softmax of one query block.
     MASKED tiles straddle a mask edge or the end of the keys; the others are allowed in full."""
@@ -89,8 +92,12 @@ def softmax_fwd_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of the keys and values (HK heads: query head i_h reads key head i_hk)
-        i_tok = (k_bos + o_n) * HK + i_hk
+        # rows of the keys and values (HK heads: query head i_h reads key head i_hk); a cache's
+        # position p at row p % L of the slot
+        if KV_CACHE:
+            i_tok = (k_bos + o_n % L) * HK + i_hk
+        else:
+            i_tok = (k_bos + o_n) * HK + i_hk
         # [BK, BN] keys, loaded transposed
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BN, BV]
@@ -120,14 +127,14 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, g_hi, g_lo, o, lse, cu_seqlens,
+    q, k, v, g_hi, g_lo, o, lse, cu_seqlens, kv_slots, kv_lens,
     # dims
-    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
@@ -157,6 +164,15 @@ def softmax_fwd_kernel(
         Tk_seq = Tk
         # lse is [B, H, Tq]
         o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+    if KV_CACHE:
+        # k and v are a cache [S, L, HK, *]: this sequence's keys are the kv_lens[slot] positions of
+        # its slot kv_slots[i_n], the queries the last Tq_seq of them; a slot outside [0, S) (a
+        # padding entry) has nothing to do
+        i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+        if (i_slot < 0) | (i_slot >= S):
+            return
+        k_bos = i_slot * L
+        Tk_seq = tl.load(kv_lens + i_slot).to(tl.int32)
     # the grid covers the longest sequence: blocks past this one's end have nothing to do
     if i_m * BM >= Tq_seq:
         return
@@ -186,8 +202,11 @@ def softmax_fwd_kernel(
     i_edge = (p_lo + 1) // BN * BN
     hi = p_hi + 1
     if SPLIT:
-        # the same ranges, cut to this program's keys (split_len is a multiple of BN)
+        # the same ranges, cut to this program's keys (split_len is a multiple of BN); a cache's
+        # splits start at the first key tile (a ring's positions run past its L rows)
         s_lo = i_split * split_len
+        if KV_CACHE:
+            s_lo += lo
         s_hi = s_lo + split_len
         lo = tl.minimum(tl.maximum(lo, s_lo), s_hi)
         i_full = tl.minimum(tl.maximum(i_full, s_lo), s_hi)
@@ -200,10 +219,10 @@ def softmax_fwd_kernel(
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
-        H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, KV_CACHE)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, b_ghq, b_glq, o_pos, k, v, g_hi, g_lo, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
-        H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE)
 
     # every real query sees at least its own key; padding rows may have seen none, and so may
     # a real query in a split of keys it does not reach (lse -inf there: the merge weighs it 0)
@@ -370,12 +389,14 @@ def softmax_decay_pairs(g, cu_seqlens, is_fp64):
     return g_hi, (gc - g_hi.to(torch.float64)).to(torch.float32)
 
 
-def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None, kv_slots=None, kv_lens=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
     -> o [B, Tq, H, V] and lse [B, H, Tq] ([H, total] with cu_seqlens), the natural-log
     log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
-    the callers' merges of float64 outputs need it to float64 precision)."""
+    the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
+    kv_lens [S], k and v are a cache [S, L, HK, *] whose slot kv_slots[n] holds sequence n's
+    kv_lens[slot] keys (KV_CACHE)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -396,19 +417,22 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     programs = triton.cdiv(max_len, BM) * N * H
-    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
+    # the keys a query block reads: Tk; from a cache of L = Tk rows per slot, at most L + BN - 1 (a
+    # sliding window's first tile starts up to BN - 1 keys before the window)
+    span = Tk + BN if kv_slots is not None else Tk
+    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, span, BN, multiprocessors(q.device))
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = triton.cdiv(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
-        q, k, v, g_hi, g_lo, o_run, lse_run, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
+        q, k, v, g_hi, g_lo, o_run, lse_run, cu_seqlens, kv_slots, kv_lens,
+        Tq, Tk, k.shape[0], Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        LAST_FIRST=last_first, num_warps=warps, num_stages=stages,
+        LAST_FIRST=last_first, KV_CACHE=kv_slots is not None, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
@@ -416,6 +440,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
             BS=max(2, triton.next_power_of_2(splits)), BV=BV, num_warps=4,
         )
     return o, lse
+
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
 #   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's

@@ -12,6 +12,8 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.mamba2_fbdb4a761c3e29f3 (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.mamba2_fbdb4a761c3e29f3_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.mamba2: the runtime contract with keyword arguments, as `attention`
   below; a second spec named mamba2 in one process keeps only its hashed op (a warning says so).
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
@@ -62,18 +64,19 @@ def phi_grad(x):
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
-# sequences and decode (T = 1 with an initial state): the state is read and written once.
+# sequences and decode (T = 1 with an initial state): the state is read and written once. With
+# STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
 
 @triton.jit
 def recurrent_fwd_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -90,9 +93,17 @@ def recurrent_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -118,24 +129,46 @@ def recurrent_fwd_kernel(
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
+    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
+    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
+    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+    VS = V
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    grid = (N * H, triton.cdiv(V, BV))
+    dims = (H, K, V, F, VS)
+    x_scale, f_scale = K ** -0.25, F ** -0.5
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+
+    def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
+        recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
+                                   T, S, *dims, scale, x_scale, f_scale, **meta)
+
+    return run
+
+
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                  state_indices=None):
+    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
+    sequence n's state is its row state_indices[n], read and written back in place (the final
+    state returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
+    indexed = state_indices is not None
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, BV))
-    recurrent_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-    )
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    S = initial_state.shape[0] if initial_state is not None else N
+    run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
+                           indexed or output_final_state, indexed)
+    run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
 # Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
@@ -503,14 +536,14 @@ def chunked_keys_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_keys_kernel's K ⊙ Γ_C/Γ and Γ_C
@@ -534,9 +567,17 @@ def chunked_states_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -759,9 +800,12 @@ class ChunkedStates(NamedTuple):
     n_slots: int
 
 
-def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state):
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, state_indices=None):
     """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
-    Shared by the forward and the backward; kr is in chunked_pass_dtype."""
+    Shared by the forward and the backward; kr is in chunked_pass_dtype.
+    With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
+    state_indices[n] holds sequence n's state, read and written back in place (the final state
+    returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, V, F)
@@ -781,25 +825,32 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     # the tiles one chunk loads: the keys transposed and v
     stage_bytes = chunk * (BF * kr.element_size() + BVS * v.element_size())
     h = torch.empty(n_slots, H, F, VS, **f32)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    indexed = state_indices is not None
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(N * H, triton.cdiv(V, BVS))](
-        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state,
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+        T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
+        HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
         BV=BVS, num_warps=states_warps, maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
     )
     return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
-def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state):
+def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state,
+                state_indices=None):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
-    -> o like v, final state [N, H, F, VS] float32 (or None)."""
+    -> o like v, final state [N, H, F, VS] float32 (or None; the cache, with state_indices: see
+    chunked_states)."""
     chunked_check_chunk(chunk)
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, V, F)
     BV, warps = chunked_launch("output", q.dtype, K, V, F)
     chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
-    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state)
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state,
+                        state_indices=state_indices)
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
@@ -1082,16 +1133,21 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state):
-    """Run the kernels of one form. Returns (o [B, T, H, V], final state [N, H, F, Vs] or None)."""
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state,
+            state_indices=None):
+    """Run the kernels of one form. Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
+    state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
-    return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state)
+        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                             state_indices)
+    return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state,
+                       state_indices)
 
 
 @torch.library.custom_op("attngen::mamba2_fbdb4a761c3e29f3", mutates_args=())
@@ -1112,6 +1168,22 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(v), ht
+
+
+@torch.library.custom_op("attngen::mamba2_fbdb4a761c3e29f3_cached", mutates_args=("state",))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], state: torch.Tensor, slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, chunk: int,
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): sequence n starts from row slots[n] of state [S, H, F, VS]
+    # float32 and its final state is written back there, in place; inference only (no autograd).
+    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, chunk, True, slots)[0]
+
+
+@cached_op.register_fake
+def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, chunk):
+    return torch.empty_like(v)
 
 
 # ---------------------------------------------------------------------------- the backward

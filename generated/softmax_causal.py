@@ -12,6 +12,8 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.softmax_causal_dfdb521cefe6f4ba (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.softmax_causal_dfdb521cefe6f4ba_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.softmax_causal: the runtime contract with keyword arguments, as `attention`
   below; a second spec named softmax_causal in one process keeps only its hashed op (a warning says so).
   Called with the keyword return_lse, it runs its overload .lse: (o, lse), lse empty for False.
@@ -49,6 +51,9 @@ def interpreted():
 # Tile skipping: the loop bounds come from the mask (causal); key tiles no query of the
 # block may see are never loaded, tiles every query sees in full run unmasked, and only the
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
+# KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
+# a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
+# this call's own appended first by kv_append_kernel.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).
@@ -60,11 +65,11 @@ def softmax_fwd_tiles(
     # pointers
     k, v,
     # dims
-    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
+    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale, L,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     """Fold the key tiles starting in [lo, hi) into the online softmax of one query block.
     MASKED tiles straddle a mask edge or the end of the keys; the others are allowed in full."""
@@ -74,8 +79,12 @@ def softmax_fwd_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of the keys and values (HK heads: query head i_h reads key head i_hk)
-        i_tok = (k_bos + o_n) * HK + i_hk
+        # rows of the keys and values (HK heads: query head i_h reads key head i_hk); a cache's
+        # position p at row p % L of the slot
+        if KV_CACHE:
+            i_tok = (k_bos + o_n % L) * HK + i_hk
+        else:
+            i_tok = (k_bos + o_n) * HK + i_hk
         # [BK, BN] keys, loaded transposed
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BN, BV]
@@ -101,14 +110,14 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, o, lse, cu_seqlens,
+    q, k, v, o, lse, cu_seqlens, kv_slots, kv_lens,
     # dims
-    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
@@ -138,6 +147,15 @@ def softmax_fwd_kernel(
         Tk_seq = Tk
         # lse is [B, H, Tq]
         o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+    if KV_CACHE:
+        # k and v are a cache [S, L, HK, *]: this sequence's keys are the kv_lens[slot] positions of
+        # its slot kv_slots[i_n], the queries the last Tq_seq of them; a slot outside [0, S) (a
+        # padding entry) has nothing to do
+        i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+        if (i_slot < 0) | (i_slot >= S):
+            return
+        k_bos = i_slot * L
+        Tk_seq = tl.load(kv_lens + i_slot).to(tl.int32)
     # the grid covers the longest sequence: blocks past this one's end have nothing to do
     if i_m * BM >= Tq_seq:
         return
@@ -164,8 +182,11 @@ def softmax_fwd_kernel(
     i_edge = (p_lo + 1) // BN * BN
     hi = p_hi + 1
     if SPLIT:
-        # the same ranges, cut to this program's keys (split_len is a multiple of BN)
+        # the same ranges, cut to this program's keys (split_len is a multiple of BN); a cache's
+        # splits start at the first key tile (a ring's positions run past its L rows)
         s_lo = i_split * split_len
+        if KV_CACHE:
+            s_lo += lo
         s_hi = s_lo + split_len
         lo = tl.minimum(tl.maximum(lo, s_lo), s_hi)
         i_full = tl.minimum(tl.maximum(i_full, s_lo), s_hi)
@@ -178,10 +199,10 @@ def softmax_fwd_kernel(
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
-        H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, KV_CACHE)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
-        H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE)
 
     # every real query sees at least its own key; padding rows may have seen none, and so may
     # a real query in a split of keys it does not reach (lse -inf there: the merge weighs it 0)
@@ -287,12 +308,14 @@ def _multiprocessors(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None, kv_slots=None, kv_lens=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
     -> o [B, Tq, H, V] and lse [B, H, Tq] ([H, total] with cu_seqlens), the natural-log
     log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
-    the callers' merges of float64 outputs need it to float64 precision)."""
+    the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
+    kv_lens [S], k and v are a cache [S, L, HK, *] whose slot kv_slots[n] holds sequence n's
+    kv_lens[slot] keys (KV_CACHE)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -312,19 +335,22 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     programs = triton.cdiv(max_len, BM) * N * H
-    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, Tk, BN, multiprocessors(q.device))
+    # the keys a query block reads: Tk; from a cache of L = Tk rows per slot, at most L + BN - 1 (a
+    # sliding window's first tile starts up to BN - 1 keys before the window)
+    span = Tk + BN if kv_slots is not None else Tk
+    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, span, BN, multiprocessors(q.device))
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = triton.cdiv(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
-        q, k, v, o_run, lse_run, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
+        q, k, v, o_run, lse_run, cu_seqlens, kv_slots, kv_lens,
+        Tq, Tk, k.shape[0], Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        LAST_FIRST=last_first, num_warps=warps, num_stages=stages,
+        LAST_FIRST=last_first, KV_CACHE=kv_slots is not None, num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
@@ -332,6 +358,65 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None):
             BS=max(2, triton.next_power_of_2(splits)), BV=BV, num_warps=4,
         )
     return o, lse
+
+
+@triton.jit
+def kv_append_kernel(
+    # pointers
+    k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens,
+    # dims
+    T, S, L, KC: tl.constexpr, VC: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One program per sequence: its new keys and values (a token's HK heads, KC = HK * K and
+    VC = HK * V elements) written to its slot of the cache at rows (length + t) % L, then the slot's
+    length advanced. One program per slot reads and writes its length: no other program races it."""
+    i_n = tl.program_id(0)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+    # a slot outside [0, S) (padding) stores nothing
+    if (i_slot >= 0) & (i_slot < S):
+        b_len = tl.load(kv_lens + i_slot).to(tl.int64)
+        o_kc = tl.arange(0, BKC)
+        o_vc = tl.arange(0, BVC)
+        for i_t in range(0, T_seq, BT):
+            o_t = i_t + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            # [BT] the tokens' rows in the input and in the slot
+            o_src = bos + o_t
+            o_dst = i_slot * L + (b_len + o_t) % L
+            # [BT, BKC], [BT, BVC]
+            m_k = m_t[:, None] & (o_kc < KC)[None, :]
+            tl.store(k_cache + o_dst[:, None] * KC + o_kc[None, :],
+                     tl.load(k + o_src[:, None] * KC + o_kc[None, :], mask=m_k, other=0.0), mask=m_k)
+            m_v = m_t[:, None] & (o_vc < VC)[None, :]
+            tl.store(v_cache + o_dst[:, None] * VC + o_vc[None, :],
+                     tl.load(v + o_src[:, None] * VC + o_vc[None, :], mask=m_v, other=0.0), mask=m_v)
+        tl.store(kv_lens + i_slot, (b_len + T_seq).to(kv_lens.dtype.element_ty))
+
+
+def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len=None):
+    """A serving call: the new keys and values k, v [B, T, HK, *] (T == Tq) appended to each
+    sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
+    advanced by each sequence's length), then its queries attend to the slot's keys -> o, lse."""
+    B, T, HK, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    KC, VC = HK * K, HK * V
+    BKC, BVC = triton.next_power_of_2(KC), triton.next_power_of_2(VC)
+    # [BT, BKC] tiles of at most 8192 elements
+    BT = max(1, min(64, 8192 // max(BKC, BVC)))
+    kv_append_kernel[(N,)](
+        k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, k_cache.shape[0], k_cache.shape[1], KC, VC,
+        BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+    )
+    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, kv_slots, kv_lens)
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
 #   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
@@ -766,6 +851,29 @@ def _(q, k, v, g, cu_seqlens, scale, max_len):
     B, Tq, H, _ = q.shape
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
+
+
+@torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba_cached",
+                         mutates_args=("k_cache", "v_cache", "kv_lens"))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    kv_lens: torch.Tensor, kv_slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): each sequence's new keys and values appended to its slot
+    # kv_slots[n] of the cache, in place, and its queries attending to the slot; no autograd.
+    return cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len)
+
+
+@cached_op.register_fake
+def _(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len):
+    """The serving call's kernels (softmax_cached_fwd) -> o [B, Tq, H, V]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    return softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len)[0]
 
 
 # ---------------------------------------------------------------------------- the backward
