@@ -205,6 +205,52 @@ def bad_call_messages(rank: int, group) -> dict[str, str]:
     return out
 
 
+# A NaN in one packed sequence reaches no other sequence (DESIGN.md §3) under context
+# parallelism: per method, 4 ranks, the layout's sequences 1 (from rank 0 into rank 1) and 2 (from
+# rank 1 through rank 2) poisoned in turn at their first token.
+ISOLATION = ("gated_deltanet", "mamba2", "linear_bidirectional", "forgetting_attention")
+
+
+def isolation(spec_name: str, rank: int, ranks: int, group) -> dict[str, list[str]]:
+    """{poisoned sequence: outputs or gradients that differ from the clean run outside it}."""
+    os.environ["ATTNGEN_BACKEND"] = "torch"
+    spec = load_spec(REPO / "specs" / f"{spec_name}.yaml")
+    cp = ContextParallel(attngen.load(spec), group)
+    lengths, cu = layout(random.Random(7), ranks, packed=True)
+    bounds = [sum(lengths[:j]) for j in range(ranks + 1)]
+    a, b = bounds[rank], bounds[rank + 1]
+    inputs = random_inputs(spec, Shape(1, bounds[-1], 2, 8, 6, cu_seqlens=cu), seed=7)
+    starting, ending = _rows(cu, bounds, rank, ranks, 1)
+    mine = {n: t if n == "cu_seqlens" else t[starting] if n == "initial_state" else t[:, a:b]
+            for n, t in inputs.items()}
+    if "initial_state" in mine and not starting:
+        mine["initial_state"] = None
+    run = lambda x: _run(lambda **kw: cp(**kw, shard_lengths=lengths), spec, x, None)[0]
+    clean = run(mine)
+    out = {}
+    for seq in (1, 2):
+        lo, hi = max(cu[seq], a) - a, min(cu[seq + 1], b) - a     # its tokens in this shard (maybe none)
+        bad = dict(mine)
+        for name in ("q", "k", "v"):
+            if a <= cu[seq] < b:
+                bad[name] = mine[name].clone()
+                bad[name][0, cu[seq] - a] = float("nan")
+        got = run(bad)
+        differ = []
+        for name, want in clean.items():
+            t = got[name]
+            if name in ("final_state", "dinitial_state"):
+                rows = ending if name == "final_state" else starting
+                keep = [i for i, n in enumerate(rows) if n != seq]
+                t, want = t[keep], want[keep]
+            elif lo < hi:
+                t, want = torch.cat([t[:, :lo], t[:, hi:]], 1), torch.cat([want[:, :lo], want[:, hi:]], 1)
+            if not torch.equal(t, want):
+                differ.append(name)
+        out[str(seq)] = differ
+    return out
+
+
 def _worker(rank: int, ranks: int, init_file: str, out_dir: str, cases: list[Case], train: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=ranks,
@@ -216,6 +262,12 @@ def _worker(rank: int, ranks: int, init_file: str, out_dir: str, cases: list[Cas
             results[case.id] = run_case(case, rank, ranks, group)
         except Exception:  # noqa: BLE001 - reported by the test of the case
             results[case.id] = {"error": traceback.format_exc()}
+    if ranks == 4:
+        for name in ISOLATION:
+            try:
+                results[f"isolation {name}"] = isolation(name, rank, ranks, group)
+            except Exception:  # noqa: BLE001
+                results[f"isolation {name}"] = {"error": traceback.format_exc()}
     if train:
         results["bad calls"] = bad_call_messages(rank, group)
         from training import train_context_parallel
@@ -316,3 +368,11 @@ def test_explain_ranks_shows_the_exchange_and_bytes_per_rank(capsys):
     out = capsys.readouterr().out
     # k and v of a 2048-token shard, bf16: 2 x 2048 x 16 x 128 x 2 bytes
     assert "method keys" in out and "contributes 16.00 MiB and receives 16.00 MiB" in out
+
+
+@pytest.mark.parametrize("spec_name", ISOLATION)
+def test_a_nan_in_one_packed_sequence_reaches_no_other(ranks4, spec_name):
+    for rank, rows in enumerate(ranks4):
+        got = rows[f"isolation {spec_name}"]
+        assert "error" not in got, got["error"]
+        assert got == {"1": [], "2": []}, (rank, got)
