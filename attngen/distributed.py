@@ -235,6 +235,20 @@ class ContextParallel:
                                  f"{bounds[-1]} (shard lengths {list(lengths)}), got {list(cu)}")
         return Shard(rank, ranks, bounds, cu)
 
+    def _setup(self, shard, q, k, v, g, beta, scale, s0):
+        """What the linear methods start from: the context of the shard's PyTorch stages (its
+        checked call, the state's dtype), the values the shards run on ([v, 1] with normalize
+        sum), the offsets of the pieces of sequences in the shard, and the initial states of the
+        sequences that start in it, checked."""
+        call = check_linear(self.op.spec, q, k, v, g, beta, scale)
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        u = torch.cat([v, torch.ones_like(v[..., :1])], -1) if self.parallel.unnormalized else v
+        packed, cin = shard.cu is not None, shard.crosses_in(shard.rank)
+        offsets = shard.offsets(shard.rank) if packed else (0, call.q_len)
+        starting = len(offsets) - 1 - cin if packed else (0 if cin else call.batch)
+        s0 = self._initial_rows(shard, s0, starting, (call.heads, call.feature_dim, u.shape[-1]))
+        return self.op.context(call, 1, dtype, q.device), u, offsets, s0
+
     def _initial_rows(self, shard: Shard, s0, starting: int, shape: tuple[int, ...]):
         """The user's initial states of the sequences that start in this shard, checked."""
         if s0 is None or (starting == 0 and isinstance(s0, torch.Tensor) and s0.shape[0] == 0):
@@ -256,16 +270,11 @@ class ContextParallel:
         receives, S_out = M S_in + S_loc. Each rank runs its shard from a zero state, the ranks
         all-gather (M, S_loc) and each composes those before it into the state entering its
         shard, C, which it adds to its outputs (o_t += C^T r_t) and final state."""
-        spec, method, r = self.op.spec, self.parallel.method, shard.rank
+        method, r, packed = self.parallel.method, shard.rank, shard.cu is not None
         B, T, H, K = q.shape
-        F = spec.feature_dim(K)
-        sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        u = torch.cat([v, torch.ones_like(v[..., :1])], -1) if self.parallel.unnormalized else v
-        Vs = u.shape[-1]
-        packed = shard.cu is not None
-        offsets = shard.offsets(r) if packed else (0, T)
+        ctx, u, offsets, s0 = self._setup(shard, q, k, v, g, beta, scale, s0)
+        F, Vs, sdt = ctx.call.feature_dim, u.shape[-1], ctx.dtype
         pieces, cin, cout = len(offsets) - 1, shard.crosses_in(r), shard.crosses_out(r)
-        s0 = self._initial_rows(shard, s0, (pieces - cin) if packed else (0 if cin else B), (H, F, Vs))
         base = self.base()
 
         def run(lo, hi, values, state, cu):
@@ -276,22 +285,18 @@ class ContextParallel:
         split = offsets[1] if cin else 0
         outs, finals = [], []
         if cin:
-            rows = B
             if method == "affine":
                 values = torch.cat([u[:, :split], u.new_zeros(B, split, H, F)], -1)
-                eye = torch.eye(F, dtype=sdt, device=q.device).expand(rows, H, F, F)
-                o_aug, s_aug = run(0, split, values, torch.cat([eye.new_zeros(rows, H, F, Vs), eye], -1), None)
+                eye = torch.eye(F, dtype=sdt, device=q.device).expand(B, H, F, F)
+                o_aug, s_aug = run(0, split, values, torch.cat([eye.new_zeros(B, H, F, Vs), eye], -1), None)
                 o_loc, weights = o_aug[..., :Vs], o_aug[..., Vs:]
                 s_loc, m = s_aug[..., :Vs], s_aug[..., Vs:]
             else:
                 o_loc, s_loc = run(0, split, u[:, :split], None, None)
-                call = check_linear(spec, q[:, :split], k[:, :split], v[:, :split], _cut(g, 0, split),
-                                    _cut(beta, 0, split), scale)
-                ctx = self.op.context(call, 1, sdt, q.device)
                 # [B, L, H, Fg] the decay since the shard's start (differences of cumulative log decays)
-                G = forms.log_decay(ctx, _cut(g, 0, split)).to(torch.float64).cumsum(1)
+                G = forms.log_decay(ctx, g)[:, :split].to(torch.float64).cumsum(1)
                 weights = forms.query_features(ctx, q[:, :split]) * G.exp().to(sdt)
-                m = G[:, -1].exp().to(sdt)[..., None].expand(rows, H, F, 1)
+                m = G[:, -1].exp().to(sdt)[..., None].expand(B, H, F, 1)
             summary = torch.cat([s_loc.to(sdt), m], -1)
         if split < T:
             local = _offsets_tensor([o - split for o in offsets[cin:]], q) if packed else None
@@ -319,7 +324,7 @@ class ContextParallel:
                 finals.append(s_rest)
         o = torch.cat(outs, 1)
         if self.parallel.unnormalized:
-            o = forms.normalize_output(None, o)
+            o = forms.normalize_output(ctx, o)
         final = torch.cat([f.to(sdt) for f in finals]) if finals else q.new_zeros(0, H, F, Vs, dtype=sdt)
         return after((o.to(q.dtype), final if output_final_state else None), (parts,))
 
@@ -334,16 +339,11 @@ class ContextParallel:
         (the initial state in the piece that starts it). Each rank all-gathers the states of its
         pieces that continue on other ranks (its first and last, packed), and adds those of the
         other ranks' pieces of the same sequence to the outputs (o_t += C^T q_t) and final states."""
-        spec, r = self.op.spec, shard.rank
+        r, packed = shard.rank, shard.cu is not None
         B, T, H, K = q.shape
-        F = spec.feature_dim(K)
-        sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        u = torch.cat([v, torch.ones_like(v[..., :1])], -1) if self.parallel.unnormalized else v
-        Vs = u.shape[-1]
-        packed = shard.cu is not None
-        offsets = shard.offsets(r) if packed else (0, T)
+        ctx, u, offsets, s0 = self._setup(shard, q, k, v, None, None, scale, s0)
+        F, Vs, sdt = ctx.call.feature_dim, u.shape[-1], ctx.dtype
         pieces, cin, cout = len(offsets) - 1, shard.crosses_in(r), shard.crosses_out(r)
-        s0 = self._initial_rows(shard, s0, (pieces - cin) if packed else (0 if cin else B), (H, F, Vs))
         if s0 is not None and cin:
             s0 = torch.cat([s0.new_zeros(1, H, F, Vs), s0])
         o, states = self.base()(q, k, u, None, None, scale, s0, True, _offsets_tensor(offsets, q) if packed else None,
@@ -372,14 +372,13 @@ class ContextParallel:
             carried = torch.stack([parts[j, i] for j in range(shard.ranks) if j != r
                                    for i, t in enumerate(slots(j)) if t is not None and t[1] == seq]).sum(0)
             lo, hi = offsets[piece], offsets[piece + 1]
-            call = check_linear(spec, q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], None, None, scale)
-            q_hat = forms.query_features(self.op.context(call, 1, sdt, q.device), q[:, lo:hi])
+            q_hat = forms.query_features(ctx, q[:, lo:hi])
             corrected[piece] = (o[:, lo:hi] + torch.einsum("blhf,bhfv->blhv", q_hat, carried),
                                 piece_state(piece) + carried)
         o = torch.cat([corrected[i][0] if i in corrected else o[:, lo:hi]
                        for i, (lo, hi) in enumerate(zip(offsets, offsets[1:]))], 1)
         if self.parallel.unnormalized:
-            o = forms.normalize_output(None, o)
+            o = forms.normalize_output(ctx, o)
         # the sequences that end here: every piece but a last one that continues
         finals = [corrected[i][1] if i in corrected else piece_state(i) for i in range(pieces - cout)]
         final = torch.cat(finals) if finals else states.new_zeros(0, H, F, Vs)
