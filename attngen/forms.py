@@ -47,10 +47,19 @@ class Ctx:
 
 def feature_map(ctx: Ctx, q, k):
     """q, k [B, T, H, K] -> q_hat, k_hat [B, T, H, F]: phi, l2 norm, scale (on q)."""
-    qh, kh = (_phi(ctx, x.to(ctx.dtype)) for x in (q, k))
+    return query_features(ctx, q), _features(ctx, k)
+
+
+def query_features(ctx: Ctx, q):
+    """q [B, T, H, K] -> q_hat [B, T, H, F]: phi, l2 norm and scale."""
+    return _features(ctx, q) * ctx.call.scale
+
+
+def _features(ctx: Ctx, x):
+    x = _phi(ctx, x.to(ctx.dtype))
     if ctx.spec.qk_norm == "l2":
-        qh, kh = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS) for x in (qh, kh))
-    return qh * ctx.call.scale, kh
+        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    return x
 
 
 def _phi(ctx: Ctx, x):

@@ -224,6 +224,120 @@ def packed_groups(lengths: list[int], choice: Choice) -> list[list[int]]:
     return [groups[key] for key in sorted(groups)]
 
 
+# Context parallelism (attngen.distributed): ranks hold consecutive time shards of the same
+# sequences and exchange, with one all-gather (its gradient one reduce-scatter in the backward),
+# what each needs from the others. The method follows from the spec:
+PARALLEL_METHODS = {
+    "affine": "a shard maps the state entering it affinely, S_out = M S_in + S_loc: one run of the op on "
+              "values [v | 0_F] from the state [0 | I] gives [S_loc | M] as its final state and, in its "
+              "outputs' last F columns, r_t = M_t^T q_t, so o_t = o_loc_t + S_in^T r_t (no second run); "
+              "all-gather the (M, S_loc) summaries, compose those of the ranks before",
+    "decay": "additive rule: M is the decay product (diagonal; I without decay), known from g alone: one run "
+             "from a zero state gives o_loc and S_loc, and o_t = o_loc_t + S_in^T (Gamma_t q_t) with Gamma_t "
+             "the decay since the shard's start; all-gather the (diag M, S_loc) summaries, compose those of "
+             "the ranks before",
+    "sum": "bidirectional: a sequence's state is the sum of its pieces' K^T V: all-gather the states of the "
+           "pieces that continue on other ranks, add those of the same sequence, o_t += S_others^T q_t",
+    "keys": "all-gather the keys and values (and g): each rank attends its queries to the keys up to its "
+            "shard's end (the op aligns causal and window masks to the end when Tq < Tk). Not a ring: one "
+            "exchange each way, and the op runs unchanged, where merging a ring's partial results needs the "
+            "log-sum-exp the op does not return; the cost is memory, every rank holding the keys it may see",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How a spec runs context-parallel: its method (PARALLEL_METHODS) and why."""
+
+    method: str
+    legal: tuple[str, ...]
+    reason: str
+    unnormalized: bool      # normalize sum: the ranks exchange and correct the un-normalized sums
+
+
+def parallel(spec: Spec, method: str | None = None) -> Parallel:
+    """The context-parallel method of a spec: the user's if given (and legal), else the cheapest."""
+    if not spec.is_linear:
+        legal, reason = ("keys",), "softmax attention"
+    elif spec.mask == "bidirectional":
+        legal, reason = ("sum",), "bidirectional linear attention"
+    elif spec.update == "additive":
+        legal, reason = ("decay", "affine"), "additive rule: M from g alone, no F x F exchange"
+    else:
+        legal, reason = ("affine",), "delta rule: M depends on the keys"
+    if method is not None:
+        if method not in legal:
+            raise ValueError(f"method: {method!r} is not a context-parallel method of spec {spec.name!r}; "
+                             f"legal: {', '.join(legal)}")
+        reason = "asked for"
+    return Parallel(method or legal[0], legal, reason, spec.is_linear and spec.normalize == "sum")
+
+
+def exchange_elements(spec: Spec, method: str, batch: int, shard_len: int, heads: int, kv_heads: int,
+                      head_dim: int, value_dim: int, packed: bool) -> tuple[tuple[str, int, str], ...]:
+    """What one rank puts into the forward all-gather: (what, elements, dtype) per buffer; dtype
+    'state' is the state's (float32, float64 for float64 inputs), 'input' that of q."""
+    F = spec.feature_dim(head_dim)
+    Vs = value_dim + 1 if spec.is_linear and spec.normalize == "sum" else value_dim
+    rows = 1 if packed else batch
+    if method == "affine":
+        return (("[M | S_loc]", rows * heads * F * (F + Vs), "state"),)
+    if method == "decay":
+        return (("[diag M | S_loc]", rows * heads * F * (1 + Vs), "state"),)
+    if method == "sum":
+        # a packed shard may hold the pieces of two sequences that continue elsewhere
+        return (("pieces' states", (2 if packed else 1) * rows * heads * F * Vs, "state"),)
+    out = [("k", batch * shard_len * kv_heads * head_dim, "input"), ("v", batch * shard_len * kv_heads * value_dim,
+                                                                          "input")]
+    if spec.decay == "scalar":
+        out.append(("g", batch * shard_len * heads, "g"))
+    return tuple(out)
+
+
+# What each rank computes beyond its shard's own call, per method.
+PARALLEL_WORK = {
+    "affine": "rank 0 runs the op on its shard; the others on V + F value columns (the identity's F columns "
+              "carry M and r), plus one [T_r, F] x [F, V] product per head",
+    "decay": "every rank runs the op once on its shard; the others add one [T_r, F] x [F, V] product per head",
+    "sum": "every rank runs the op once on its shard; pieces that continue elsewhere add one [T_r, F] x [F, V] "
+           "product per head",
+    "keys": "rank r attends its T_r queries to the keys it may see, up to its shard's end: with equal shards of "
+            "causal attention the last rank does (2R - 1)/R^2 of the work; shards ending at T sqrt(r/R) "
+            "balance it",
+}
+
+
+def explain_parallel(spec: Spec, ranks: int, batch: int, length: int, heads: int, head_dim: int,
+                     value_dim: int, input_bytes: int = 2) -> str:
+    """The context-parallel plan over `ranks` equal shards of `length` tokens, and its bytes per
+    rank (states in float32, keys and values of `input_bytes` each)."""
+    par = parallel(spec)
+    shard = -(-length // ranks)
+    bufs = exchange_elements(spec, par.method, batch, shard, heads, heads, head_dim, value_dim, packed=False)
+    size = {"state": 4, "input": input_bytes, "g": 4}
+    each = sum(n * size[d] for _, n, d in bufs)
+    what = " and ".join(f"{name} ({n} values of {size[d]} bytes)" for name, n, d in bufs)
+    lines = [f"context parallel over {ranks} ranks (attngen.distributed), B={batch}, shards of {shard} tokens: "
+             f"method {par.method} ({par.reason}; legal: {', '.join(par.legal)})",
+             f"  {PARALLEL_METHODS[par.method]}",
+             f"  {PARALLEL_WORK[par.method]}"]
+    if par.unnormalized:
+        lines.append("  normalize sum: the shards run the spec without its normalizer on [v, 1]; the division "
+                     "comes after the correction")
+    lines += [f"  exchange: all-gather forward of {what} from each rank; backward its gradient, a "
+              "reduce-scatter of the same size",
+              f"  per rank and step: contributes {_bytes(each)} and receives {_bytes(each * (ranks - 1))} "
+              "forward, the same backward"]
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Every structural choice the kernel templates need, decided here, once."""

@@ -213,10 +213,12 @@ class Op:
             return (o, out["lse"]) if return_lse else o
         return o, (out["final_state"].to(dtype) if output_final_state else None)
 
+    def context(self, call: Call, chunk: int, dtype: torch.dtype, device) -> forms.Ctx:
+        """What the PyTorch stages of a call read besides its tensors (dtype: the compute dtype)."""
+        return forms.Ctx(self.spec, call, chunk, dtype, device, self.features(call.head_dim, device, dtype), self._phi)
+
     def _execute(self, call, choice, env, dtype) -> dict:
-        q = env["q"]
-        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype),
-                        self._phi)
+        ctx = self.context(call, choice.chunk, dtype, env["q"].device)
         return planner.execute(self.plan.form(choice.form), ctx, env)
 
     def _execute_packed(self, call, choice, env, dtype) -> dict:
