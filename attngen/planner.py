@@ -240,8 +240,8 @@ PARALLEL_METHODS = {
            "pieces that continue on other ranks, add those of the same sequence, o_t += S_others^T q_t",
     "keys": "all-gather the keys and values (and g): each rank attends its queries to the keys up to its "
             "shard's end (the op aligns causal and window masks to the end when Tq < Tk). Not a ring: one "
-            "exchange each way, and the op runs unchanged, where merging a ring's partial results needs the "
-            "log-sum-exp the op does not return; the cost is memory, every rank holding the keys it may see",
+            "exchange each way and the op unchanged (a ring would merge partial results by their "
+            "log-sum-exp; not built); the cost is memory, every rank holding the keys it may see",
 }
 
 
