@@ -1057,28 +1057,26 @@ def chunked_bwd_kernel(
             b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
         m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
         m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-        b_Gb = b_G
-        b_Gbt = b_Gt
+        b_Gb = b_G.to(tl.float32)
+        b_Gbt = b_Gt.to(tl.float32)
         if BT > 16:
-            b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 16, b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None], b_Gbt)
+            b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
         if BT > 32:
-            b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 32, b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None], b_Gbt)
+            b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
         if BT > 48:
-            b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 48, b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None], b_Gbt)
+            b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
         b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
         if b_span:
             # a block's own pairs one dot each, through exp(Gb_t) and exp(-Gb_s)
-            b_eb = tl.exp(b_Gb.to(tl.float32))
-            b_ebnt = tl.exp(-b_Gbt.to(tl.float32))
-            b_kn = b_k * tl.exp(-b_Gb.to(tl.float32))
-            b_qet = b_qt * tl.exp(b_Gbt.to(tl.float32))
+            b_kn = b_k * tl.exp(-b_Gb)
+            b_qet = b_qt * tl.exp(b_Gbt)
             b_dPb = tl.where(m_blk, b_dP, 0.0)
             b_Pt = tl.where(m_blk_t, chunked_dot(b_kn, b_qet, DOT_PRECISION), b_Pt)
-            b_dq += chunked_dot(b_dPb, b_kn, DOT_PRECISION) * b_eb
-            b_dkt += chunked_dot(b_qet, b_dPb, DOT_PRECISION) * b_ebnt
+            b_dq += chunked_dot(b_dPb, b_kn, DOT_PRECISION) * tl.exp(b_Gb)
+            b_dkt += chunked_dot(b_qet, b_dPb, DOT_PRECISION) * tl.exp(-b_Gbt)
         else:
             # past the span, by offsets d = t - s
             o_r = o_i % 16

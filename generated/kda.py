@@ -1363,20 +1363,20 @@ def chunked_bwd_du_local_kernel(
         b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
-    b_Gbt = b_Gt
+    b_Gb = b_G.to(tl.float32)
+    b_Gbt = b_Gt.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 16, b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 32, b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 48, b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
-        b_Pt = tl.where(m_blk_t, chunked_dot(b_k * tl.exp(-b_Gb.to(tl.float32)), b_qt * tl.exp(b_Gbt.to(tl.float32)), DOT_PRECISION), b_Pt)
+        b_Pt = tl.where(m_blk_t, chunked_dot(b_k * tl.exp(-b_Gb), b_qt * tl.exp(b_Gbt), DOT_PRECISION), b_Pt)
     else:
         o_r = o_i % 16
         b_W = tl.zeros([BT, BF], dtype=tl.float64)
@@ -1577,17 +1577,17 @@ def chunked_bwd_dqk_kernel(
         b_dq += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0), b_k * b_ek, DOT_PRECISION) * b_eq
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
+    b_Gb = b_G.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
         # a block's own pairs: (dM (K̂ ⊙ exp(-Gb))) ⊙ exp(Gb)
-        b_dq += chunked_dot(tl.where(m_blk, b_dP, 0.0), b_k * tl.exp(-b_Gb.to(tl.float32)), DOT_PRECISION) * tl.exp(b_Gb.to(tl.float32))
+        b_dq += chunked_dot(tl.where(m_blk, b_dP, 0.0), b_k * tl.exp(-b_Gb), DOT_PRECISION) * tl.exp(b_Gb)
     else:
         o_r = o_i % 16
         b_W = tl.zeros([BT, BF], dtype=tl.float64)
@@ -1623,17 +1623,17 @@ def chunked_bwd_dqk_kernel(
         b_dk += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dPt, 0.0), b_qs * b_eq, DOT_PRECISION) * b_ek
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
+    b_Gb = b_G.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
         # a block's own pairs: (dM^T (x̂ ⊙ exp(Gb))) ⊙ exp(-Gb)
-        b_dk += chunked_dot(tl.where(m_blk_t, b_dPt, 0.0), b_qs * tl.exp(b_Gb.to(tl.float32)), DOT_PRECISION) * tl.exp(-b_Gb.to(tl.float32))
+        b_dk += chunked_dot(tl.where(m_blk_t, b_dPt, 0.0), b_qs * tl.exp(b_Gb), DOT_PRECISION) * tl.exp(-b_Gb)
     else:
         o_r = o_i % 16
         b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
@@ -1803,20 +1803,20 @@ def chunked_bwd_wy_kernel(
         b_Ak = chunked_dot(b_k_hat * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
-    b_Gbt = b_Gt
+    b_Gb = b_G.to(tl.float32)
+    b_Gbt = b_Gt.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 16, b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 32, b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
-        b_Gbt = tl.where(o_i[None, :] >= 48, b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None], b_Gbt)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
-        b_Ak = tl.where(m_blk, chunked_dot(b_k_hat * tl.exp(b_Gb.to(tl.float32)), b_kt * tl.exp(-b_Gbt.to(tl.float32)), DOT_PRECISION), b_Ak)
+        b_Ak = tl.where(m_blk, chunked_dot(b_k_hat * tl.exp(b_Gb), b_kt * tl.exp(-b_Gbt), DOT_PRECISION), b_Ak)
     else:
         o_r = o_i % 16
         b_W = tl.zeros([BT, BF], dtype=tl.float64)
@@ -1856,17 +1856,17 @@ def chunked_bwd_wy_kernel(
         b_dkr += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0), b_k_hat * b_ek, DOT_PRECISION) * b_eq
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
+    b_Gb = b_G.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
         # a block's own pairs: (dM (K̂ ⊙ exp(-Gb))) ⊙ exp(Gb)
-        b_dkr += chunked_dot(tl.where(m_blk, b_dAk, 0.0), b_k_hat * tl.exp(-b_Gb.to(tl.float32)), DOT_PRECISION) * tl.exp(b_Gb.to(tl.float32))
+        b_dkr += chunked_dot(tl.where(m_blk, b_dAk, 0.0), b_k_hat * tl.exp(-b_Gb), DOT_PRECISION) * tl.exp(b_Gb)
     else:
         o_r = o_i % 16
         b_W = tl.zeros([BT, BF], dtype=tl.float64)
@@ -1903,17 +1903,17 @@ def chunked_bwd_wy_kernel(
         b_dka += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dAkt, 0.0), b_k_hat * b_eq, DOT_PRECISION) * b_ek
     m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
     m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-    b_Gb = b_G
+    b_Gb = b_G.to(tl.float32)
     if BT > 16:
-        b_Gb = tl.where(o_i[:, None] >= 16, b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 32:
-        b_Gb = tl.where(o_i[:, None] >= 32, b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     if BT > 48:
-        b_Gb = tl.where(o_i[:, None] >= 48, b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :], b_Gb)
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
     b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
     if b_span:
         # a block's own pairs: (dM^T (x̂ ⊙ exp(Gb))) ⊙ exp(-Gb)
-        b_dka += chunked_dot(tl.where(m_blk_t, b_dAkt, 0.0), b_k_hat * tl.exp(b_Gb.to(tl.float32)), DOT_PRECISION) * tl.exp(-b_Gb.to(tl.float32))
+        b_dka += chunked_dot(tl.where(m_blk_t, b_dAkt, 0.0), b_k_hat * tl.exp(b_Gb), DOT_PRECISION) * tl.exp(-b_Gb)
     else:
         o_r = o_i % 16
         b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
