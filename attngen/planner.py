@@ -366,8 +366,10 @@ class KernelSpec:
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
 # X ⊙ exp(G) and Y ⊙ exp(-G), G the log decay cumulated from the block's start, when the block's
 # decay G_B spans at most this in every feature: the factors stay within e^±40 (fp32 and bf16 reach
-# e^88; a term x_t y_s of 1e-21 or more keeps normal operands). Past it, the kernels take the pairs by
-# offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for any decay.
+# e^88; a term x_t y_s of 1e-21 or more keeps normal operands). The backward's pair sums inside a block
+# (dq̂, dk̂, P^T, the delta rule's K K^T) take the same dots and the same test, per chunk. Past it, the
+# kernels take the pairs by offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for
+# any decay.
 DECAY_SPAN = 40.0
 
 

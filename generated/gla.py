@@ -1004,9 +1004,10 @@ def chunked_bwd_kernel(
         # [BT, BF] K̂ ⊙ Γ_C/Γ
         b_k_rest = b_k * b_gam_rest
         # inside the chunk, by 16-token blocks: [BT, BT] P^T (its diagonal q̂_t.k̂_t first) and the
-        # pairs s < t of dq̂, dk̂^T. A block's own pairs by offsets d = t - s (rows t: key s and
-        # W = G_t - G_s = g_{s+1} + .. + g_t; columns s of dk̂^T: query t = s + d and the same W), its
-        # pairs with the keys before it one dot each; every decay factor <= 1
+        # pairs s < t of dq̂, dk̂^T. A block's pairs with the keys before it one dot each (factors <= 1);
+        # its own pairs one dot each through exp(±G) from the block's start while the decay spans at
+        # most 40.0 (macros.block_decays), past it by offsets d = t - s (rows t: key s and
+        # W = G_t - G_s = g_{s+1} + .. + g_t; columns s of dk̂^T: query t = s + d and the same W)
         b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
         b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
         if BT > 16:
@@ -1054,26 +1055,50 @@ def chunked_bwd_kernel(
             b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
             b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
             b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
-        o_r = o_i % 16
-        b_W = tl.zeros([BT, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
-            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
-            m_d = m_t & (o_r >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_kd = b_ks * tl.exp(b_W.to(tl.float32))
-            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
-            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
-        b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
-        for d in range(1, 16):
-            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-            m_dt = (o_r + d < 16) & (o_t + d < T_seq)
-            b_Wt += floor_log_decay(tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64))
-            b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
-            b_qts = b_qts * scale
-            b_dkt += tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts * tl.exp(b_Wt.to(tl.float32))
+        m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+        m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+        b_Gb = b_G.to(tl.float32)
+        b_Gbt = b_Gt.to(tl.float32)
+        if BT > 16:
+            b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+        if BT > 32:
+            b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+        if BT > 48:
+            b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+            b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+        b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+        if b_span:
+            # a block's own pairs one dot each, through exp(Gb_t) and exp(-Gb_s)
+            b_kn = b_k * tl.exp(-b_Gb)
+            b_qet = b_qt * tl.exp(b_Gbt)
+            b_dPb = tl.where(m_blk, b_dP, 0.0)
+            b_Pt = tl.where(m_blk_t, chunked_dot(b_kn, b_qet, DOT_PRECISION), b_Pt)
+            b_dq += chunked_dot(b_dPb, b_kn, DOT_PRECISION) * tl.exp(b_Gb)
+            b_dkt += chunked_dot(b_qet, b_dPb, DOT_PRECISION) * tl.exp(-b_Gbt)
+        else:
+            # past the span, by offsets d = t - s
+            o_r = o_i % 16
+            b_W = tl.zeros([BT, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
+                m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+                m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+                m_d = m_t & (o_r >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_kd = b_ks * tl.exp(b_W.to(tl.float32))
+                b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
+                b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
+            b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
+            for d in range(1, 16):
+                m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+                m_dt = (o_r + d < 16) & (o_t + d < T_seq)
+                b_Wt += floor_log_decay(tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64))
+                b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
+                b_qts = b_qts * scale
+                b_dkt += tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts * tl.exp(b_Wt.to(tl.float32))
         # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
         b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
         b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state

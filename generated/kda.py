@@ -1327,8 +1327,9 @@ def chunked_bwd_du_local_kernel(
     tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q * b_gam).to(qg.dtype.element_ty), mask=m_tf)
     # [BT, BT] P^T [s, t]
     # by 16-token blocks: the diagonal q̂_t.k̂_t; each block's pairs with the keys before it one dot
-    # (both factors <= 1: macros.cross_block_factors); its own pairs by offsets d = t - s (key s and
-    # W = G_t - G_s = g_{s+1} + .. + g_t: macros.band_keys)
+    # (both factors <= 1: macros.cross_block_factors); its own pairs one dot through exp(±G) from the
+    # block's start while the decay spans at most 40.0 (macros.block_decays), past it by
+    # offsets d = t - s (key s and W = G_t - G_s = g_{s+1} + .. + g_t: macros.band_keys)
     b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
     if BT > 16:
         m_qi = (o_i >= 16) & (o_i < 32)
@@ -1360,16 +1361,33 @@ def chunked_bwd_du_local_kernel(
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
         b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
-    o_r = o_i % 16
-    b_W = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
-        m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
-        m_d = m_t & (o_r >= d)
-        b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-        b_Pt = tl.where(m_band_t, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[None, :], b_Pt)
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    b_Gbt = b_Gt.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        b_Pt = tl.where(m_blk_t, chunked_dot(b_k * tl.exp(-b_Gb), b_qt * tl.exp(b_Gbt), DOT_PRECISION), b_Pt)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[None, :], b_Pt)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -1557,15 +1575,29 @@ def chunked_bwd_dqk_kernel(
         b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_dq += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0), b_k * b_ek, DOT_PRECISION) * b_eq
-    o_r = o_i % 16
-    b_W = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-        m_d = m_t & (o_r >= d)
-        b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-        b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_ks * tl.exp(b_W.to(tl.float32))
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM (K̂ ⊙ exp(-Gb))) ⊙ exp(Gb)
+        b_dq += chunked_dot(tl.where(m_blk, b_dP, 0.0), b_k * tl.exp(-b_Gb), DOT_PRECISION) * tl.exp(b_Gb)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_ks * tl.exp(b_W.to(tl.float32))
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     if BT > 16:
@@ -1589,17 +1621,31 @@ def chunked_bwd_dqk_kernel(
         b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_dk += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dPt, 0.0), b_qs * b_eq, DOT_PRECISION) * b_ek
-    o_r = o_i % 16
-    b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
-        m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[:, None] + d < 16)
-        m_dl = (o_r + d < 16) & (o_t + d < T_seq)
-        b_Wl += floor_log_decay(tl.load(g + (o_tok + d * H)[:, None] * K + o_f[None, :], mask=m_dl[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_xl = tl.load(q + (o_tok + d * H)[:, None] * K + o_k[None, :], mask=m_dl[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_xl = b_xl * tl.rsqrt(tl.sum(b_xl * b_xl, 1) + 1e-06)[:, None]
-        b_xl = b_xl * scale
-        b_dk += tl.sum(tl.where(m_band_t, b_dPt, 0.0), 1)[:, None] * b_xl * tl.exp(b_Wl.to(tl.float32))
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM^T (x̂ ⊙ exp(Gb))) ⊙ exp(-Gb)
+        b_dk += chunked_dot(tl.where(m_blk_t, b_dPt, 0.0), b_qs * tl.exp(b_Gb), DOT_PRECISION) * tl.exp(-b_Gb)
+    else:
+        o_r = o_i % 16
+        b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[:, None] + d < 16)
+            m_dl = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wl += floor_log_decay(tl.load(g + (o_tok + d * H)[:, None] * K + o_f[None, :], mask=m_dl[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_xl = tl.load(q + (o_tok + d * H)[:, None] * K + o_k[None, :], mask=m_dl[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_xl = b_xl * tl.rsqrt(tl.sum(b_xl * b_xl, 1) + 1e-06)[:, None]
+            b_xl = b_xl * scale
+            b_dk += tl.sum(tl.where(m_band_t, b_dPt, 0.0), 1)[:, None] * b_xl * tl.exp(b_Wl.to(tl.float32))
     b_dki = b_uds * b_gam_rest
     # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
     # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
@@ -1722,7 +1768,8 @@ def chunked_bwd_wy_kernel(
     b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
 
     # [BT, BT] Ak [t, s]; [BT] dβ through X, Y and A = diag(β) Ak
-    # by 16-token blocks, as scores_t: each block's pairs with the keys before it one dot, its own by offsets
+    # by 16-token blocks, as scores_t: each block's pairs with the keys before it one dot, its own one dot
+    # through exp(±G) from the block's start within the span, past it by offsets
     b_Ak = tl.zeros([BT, BT], dtype=tl.float32)
     if BT > 16:
         m_qi = (o_i >= 16) & (o_i < 32)
@@ -1754,16 +1801,33 @@ def chunked_bwd_wy_kernel(
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
         b_Ak = chunked_dot(b_k_hat * b_eq, b_kt * b_ekt, DOT_PRECISION, b_Ak)
-    o_r = o_i % 16
-    b_W = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s]
-        m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-        m_d = m_t & (o_r >= d)
-        b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-        b_Ak = tl.where(m_band, tl.sum(b_k_hat * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_Ak)
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    b_Gbt = b_Gt.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        b_Ak = tl.where(m_blk, chunked_dot(b_k_hat * tl.exp(b_Gb), b_kt * tl.exp(-b_Gbt), DOT_PRECISION), b_Ak)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s]
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_Ak = tl.where(m_band, tl.sum(b_k_hat * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_Ak)
     b_db += tl.sum(b_dy * b_kg, 1) + tl.sum(b_dA * b_Ak, 1)
     tl.store(dbeta + o_tok, b_db.to(dbeta.dtype.element_ty), mask=m_t)
     # [BT, BF] dk̂r = diag(β) dY ⊙ Γ and the pairs s < t of diag(β) dA K̂ (rows t)
@@ -1790,15 +1854,29 @@ def chunked_bwd_wy_kernel(
         b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_dkr += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dAk, 0.0), b_k_hat * b_ek, DOT_PRECISION) * b_eq
-    o_r = o_i % 16
-    b_W = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-        m_d = m_t & (o_r >= d)
-        b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-        b_dkr += tl.sum(tl.where(m_band, b_dAk, 0.0), 1)[:, None] * b_ks * tl.exp(b_W.to(tl.float32))
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM (K̂ ⊙ exp(-Gb))) ⊙ exp(Gb)
+        b_dkr += chunked_dot(tl.where(m_blk, b_dAk, 0.0), b_k_hat * tl.exp(-b_Gb), DOT_PRECISION) * tl.exp(b_Gb)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+            b_dkr += tl.sum(tl.where(m_band, b_dAk, 0.0), 1)[:, None] * b_ks * tl.exp(b_W.to(tl.float32))
     # [BT, BF] A's dk̂': the pairs s < t of (diag(β) dA)^T K̂ (columns s)
     b_dka = tl.zeros([BT, BF], dtype=tl.float32)
     b_dAkt = b_dAt * b_beta[None, :]
@@ -1823,16 +1901,30 @@ def chunked_bwd_wy_kernel(
         b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
         b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
         b_dka += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dAkt, 0.0), b_k_hat * b_eq, DOT_PRECISION) * b_ek
-    o_r = o_i % 16
-    b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
-    for d in range(1, 16):
-        # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
-        m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[:, None] + d < 16)
-        m_dl = (o_r + d < 16) & (o_t + d < T_seq)
-        b_Wl += floor_log_decay(tl.load(g + (o_tok + d * H)[:, None] * K + o_f[None, :], mask=m_dl[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_xl = tl.load(k + (o_tok + d * H)[:, None] * K + o_k[None, :], mask=m_dl[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_xl = b_xl * tl.rsqrt(tl.sum(b_xl * b_xl, 1) + 1e-06)[:, None]
-        b_dka += tl.sum(tl.where(m_band_t, b_dAkt, 0.0), 1)[:, None] * b_xl * tl.exp(b_Wl.to(tl.float32))
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM^T (x̂ ⊙ exp(Gb))) ⊙ exp(-Gb)
+        b_dka += chunked_dot(tl.where(m_blk_t, b_dAkt, 0.0), b_k_hat * tl.exp(b_Gb), DOT_PRECISION) * tl.exp(-b_Gb)
+    else:
+        o_r = o_i % 16
+        b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[:, None] + d < 16)
+            m_dl = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wl += floor_log_decay(tl.load(g + (o_tok + d * H)[:, None] * K + o_f[None, :], mask=m_dl[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_xl = tl.load(k + (o_tok + d * H)[:, None] * K + o_k[None, :], mask=m_dl[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_xl = b_xl * tl.rsqrt(tl.sum(b_xl * b_xl, 1) + 1e-06)[:, None]
+            b_dka += tl.sum(tl.where(m_band_t, b_dAkt, 0.0), 1)[:, None] * b_xl * tl.exp(b_Wl.to(tl.float32))
     # the decay gradient: A's and Y's terms, the reverse sum inside the chunk of k̂ ⊙ (dk̂r - dk̂'), and step 4's
     b_dgs = (b_k_hat * (b_dkr - b_dka)).to(tl.float64)
     b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen
+from attngen import codegen, planner
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
@@ -127,6 +127,41 @@ def test_strong_vector_decay(kernel_backward, name, dtype, chunk):
     inputs = random_inputs(op.spec, shape, seed=chunk)
     inputs["g"] = mixed_vector_gates(shape, seed=chunk)
     assert float(inputs["g"].min()) < -45 and float(inputs["g"].max()) > -1e-4
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=chunk), inputs, dtype)
+    assert calls
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} chunk {chunk} {dtype}:\n" + "\n".join(failures)
+
+
+def span_edge_vector_gates(shape: Shape, seed: int) -> torch.Tensor:
+    """Vector log decays g [B, T, H, K] whose 16-token blocks fall on both sides of
+    planner.DECAY_SPAN: in even 32-token stretches a third of the lanes decay by DECAY_SPAN / 16
+    times 0.95 .. 0.99 per token (a block spans just inside, its pairs' factors exp(-G) near
+    exp(DECAY_SPAN)), in odd stretches by down to -50 (far past it); the other lanes near 0."""
+    gen = torch.Generator().manual_seed(seed)
+    size = (shape.batch, shape.q_len, shape.heads, shape.head_dim)
+    lane = (torch.arange(shape.head_dim) % 3 == 1).expand(size)
+    odd = (torch.arange(shape.q_len) // 32 % 2 == 1)[None, :, None, None].expand(size)
+    depth = torch.rand(size, generator=gen, dtype=torch.float64)
+    edge = -planner.DECAY_SPAN / 16 * (0.95 + 0.04 * depth)
+    return torch.where(lane, torch.where(odd, -50.0 * depth, edge), -1e-3 * depth)
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["gla", "kda"])
+def test_vector_decay_both_sides_of_the_span(kernel_backward, name, dtype, chunk):
+    """Chunks whose blocks' decay spans just inside planner.DECAY_SPAN (the pairs inside a block as
+    one dot through exp(-G) up to about exp(DECAY_SPAN)) and chunks far past it (by offsets) in one
+    sequence: every gradient within tolerance of the oracle."""
+    op, calls = kernel_backward(SPECS[name])
+    shape = Shape(batch=1, q_len=100, heads=2, head_dim=12, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=chunk)
+    inputs["g"] = span_edge_vector_gates(shape, seed=chunk)
+    # [6] the widest span of each whole 16-token block over heads and lanes
+    block_span = inputs["g"][:, :96].unflatten(1, (6, 16)).sum(2).amin((0, 2, 3)).neg()
+    assert block_span[[0, 1, 4, 5]].max() < planner.DECAY_SPAN < block_span[[2, 3]].min()
+    assert block_span[[0, 1, 4, 5]].min() > 0.9 * planner.DECAY_SPAN
     rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=chunk), inputs, dtype)
     assert calls
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
