@@ -1,6 +1,7 @@
 """attngen's command line: start-up cost (--help and --version import no torch), --version,
-`check` (backend and form per row, every spec reported, kernels tested in float32) and
-`explain` (the backend that runs)."""
+`check` (backend and form per row, every spec reported, kernels tested in float32), `explain`
+(the backend that runs, the kernels' launch) and `tune` (without a GPU: one line and a non-zero
+exit; its argument errors)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import attngen
+from attngen.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,7 @@ def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["check", "--help"], ["explain", "--help"],
-                                  ["compile", "--help"]])
+                                  ["compile", "--help"], ["tune", "--help"]])
 def test_help_and_version_import_no_torch(argv):
     out = run_python(
         "import sys\n"
@@ -111,3 +113,37 @@ def test_explain_names_the_backend_of_this_machine(tmp_path):
            "interpreter on the CPU)" in tail, out.stdout
     assert "float64 inputs: torch, chunked C=64 (float64 inputs of linear attention run the PyTorch forms: " \
            "the linear kernels compute in float32" in tail, out.stdout
+    assert "chunked kernel launch, float32: chunk=64 BV=16 warps=4" in out.stdout, out.stdout
+
+
+# --------------------------------------------------------------------------- tune
+
+@pytest.mark.parametrize("argv", [["tune", "specs/gated_deltanet.yaml"]])
+def test_tune_without_a_gpu_says_so_in_one_line(argv, monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv("ATTNGEN_BACKEND", raising=False)
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith(f"attngen {argv[0]}: no CUDA GPU here (torch.cuda.is_available() is False)"), out.err
+    assert len(out.err.strip().splitlines()) == 1 and not out.out
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["tune", "specs/gla.yaml", "--shapes", "4,8192,16"], "argument --shapes: expected B,T,H,K,V[,Tq[,H_kv]]"),
+    (["tune", "specs/gla.yaml", "--shapes", "1,8,2,4,4,9"], "Tq = 9 must be at most T = 8"),
+    (["tune", "specs/gla.yaml", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["tune", "specs/gla.yaml", "--shapes", "1,8,6,4,4,8,4"], "H_kv = 4 must divide H = 6"),
+])
+def test_tune_argument_errors(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["tune"])
+def test_tune_names_a_bad_spec_before_anything_runs(command, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nattention: linear\ndecay: scaler\n")
+    assert main([command, "specs/gla.yaml", str(bad)]) == 2
+    assert f"{bad}:3: field 'decay': value 'scaler' is not allowed" in capsys.readouterr().err
