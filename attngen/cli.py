@@ -1,4 +1,4 @@
-"""attngen's command line: explain, check, compile, tune.
+"""attngen's command line: explain, check, compile, tune, bench.
 
 torch, sympy and jinja are imported inside the commands, not here: `attngen --help` and
 `attngen --version` stay fast (importing torch alone takes seconds)."""
@@ -12,7 +12,7 @@ from . import __version__
 from .spec import SpecError
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
-# The benchmark shape (BENCHMARKS.md): `tune` without --shapes.
+# The benchmark shape (BENCHMARKS.md): `tune` and `bench` without --shapes.
 BENCH_SHAPE = "4,8192,16,128,128"
 
 
@@ -153,6 +153,16 @@ def _shapes(text: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("--shapes: ")) from None
 
 
+def _baselines(text: str) -> tuple[str, ...]:
+    from .bench import BASELINES
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in BASELINES + ("none",)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)} is not a baseline; allowed: "
+                                         f"{', '.join(BASELINES)} (comma-separated), or none")
+    return tuple(n for n in names if n != "none")
+
+
 def _specs(paths):
     """Every spec loaded before any work starts: a bad one is an error naming it."""
     from .spec import load_spec
@@ -180,6 +190,27 @@ def cmd_tune(args) -> int:
         if shapes:
             tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)
     return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from . import bench
+    specs = _specs(args.specs)
+    reason = bench.no_device_reason() or (bench.check_plot_support() if args.plot else None)
+    if reason:
+        print(f"attngen bench: {reason}", file=sys.stderr)
+        return 1
+    shapes = args.shapes or [_shapes(BENCH_SHAPE)]
+    shapes = bench.sweep(shapes[0]) if args.plot and len(shapes) == 1 else shapes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = lambda line: print(line, flush=True)  # noqa: E731
+    rows = bench.run(specs, shapes, getattr(torch, args.dtype), device, (args.bwd,), args.vs, report=report,
+                     profile_kernels=args.profile)
+    if args.plot:
+        bench.plot(rows, args.plot)
+        report(f"wrote {args.plot}")
+    return 1 if any(r.impl == "attngen" and r.note.startswith("failed") for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +250,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="seconds of search per spec and shape, after which the best launch so far stands")
     p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("bench", help="time the kernels against the baseline of the same semantics (fla, SDPA, Flex)")
+    p.add_argument("specs", type=Path, nargs="+")
+    p.add_argument("--shapes", type=_shapes, nargs="+", default=None, metavar="B,T,H,K,V[,Tq[,H_kv]]",
+                   help=f"default {BENCH_SHAPE}")
+    p.add_argument("--vs", type=_baselines, default="fla,sdpa,flex",
+                   help="baselines, comma-separated: fla, sdpa, flex, or none (default: all that apply)")
+    p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
+    p.add_argument("--bwd", action="store_true", help="time forward + backward (default: forward)")
+    p.add_argument("--profile", action="store_true", help="attngen's GPU kernels and their time under each row")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="draw time against sequence length (one shape given: T from 1K to 128K at its B*T)")
+    p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

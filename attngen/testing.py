@@ -110,7 +110,7 @@ def format_shape(shape: Shape) -> str:
 
 def bench_inputs(spec: Spec, shape: Shape, dtype: torch.dtype, device, seed: int = 0,
                 requires_grad: bool = False) -> dict:
-    """Random inputs of a spec's op for timing (`attngen tune`), drawn on the device
+    """Random inputs of a spec's op for timing (`attngen bench`, `attngen tune`), drawn on the device
     (long sequences need no host copy, unlike random_inputs): q, k, v standard normal in dtype; log
     decays logsigmoid(x + 3) (mild, as trained gates are) in float32, a constant one from -0.01 to
     -0.2 over the heads; beta sigmoid(x) in dtype."""
