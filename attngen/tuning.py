@@ -266,6 +266,7 @@ def record(entries: list[Entry], mach: Machine, directory: Path | None = None) -
     new = {e.key: e for e in entries}
     write_table(path, Table(mach, tuple(e for e in kept if e.key not in new) + tuple(new.values())))
     _tables.cache_clear()
+    _remembered.cache_clear()
     return path
 
 
@@ -363,10 +364,17 @@ def choose(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torc
     return resolve(spec, family, call, dtype, mach, default, chunk, search)
 
 
+# Call's fields in order: a call travels to _launch_ints as the tuple of their values.
+_CALL_FIELDS = tuple(f.name for f in dataclasses.fields(Call))
+# The environment a launch depends on besides the call: the user's tables and ATTNGEN_AUTOTUNE.
+_ENVIRONMENT = ("ATTNGEN_TUNE_DIR", "ATTNGEN_CACHE", "ATTNGEN_AUTOTUNE")
+
+
 def launch_ints(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torch.device,
                 chunk: int | None = None) -> tuple[int, ...]:
-    """choose()'s launch as the generated op takes it (Launch.ints)."""
-    return _launch_ints(spec, family, dataclasses.astuple(call), dtype, device, chunk)
+    """choose()'s launch as the generated op takes it (Launch.ints), remembered per call's sizes:
+    a call looks it up once (a decode step would otherwise spend more on it than on its kernels)."""
+    return _launch_ints(spec, family, tuple(getattr(call, n) for n in _CALL_FIELDS), dtype, device, chunk)
 
 
 @torch.compiler.assume_constant_result
@@ -375,6 +383,13 @@ def _launch_ints(spec: Spec, family: str, call: tuple, dtype: torch.dtype, devic
     # torch.compile calls this while tracing and keeps the result as a constant (it reads files and
     # warns: nothing to trace); the call comes in and the launch goes out as plain values, the only
     # ones it passes
+    return _remembered(spec, family, call, dtype, device, chunk, tuple(map(os.environ.get, _ENVIRONMENT)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered(spec: Spec, family: str, call: tuple, dtype: torch.dtype, device: torch.device, chunk: int | None,
+                environment: tuple) -> tuple[int, ...]:
+    # the environment is part of the key: a change of the user's directory or ATTNGEN_AUTOTUNE is seen
     return tuple(choose(spec, family, Call(*call), dtype, device, chunk).launch.ints())
 
 

@@ -36,8 +36,10 @@ def tables(monkeypatch, tmp_path):
     monkeypatch.delenv("ATTNGEN_AUTOTUNE", raising=False)
     monkeypatch.setattr(tuning, "_WARNED", set())
     tuning._tables.cache_clear()
+    tuning._remembered.cache_clear()
     yield
     tuning._tables.cache_clear()
+    tuning._remembered.cache_clear()
 
 
 def entry(call: Call, launch: planner.Launch, spec=GDN, dtype=torch.bfloat16, family="chunked") -> tuning.Entry:
@@ -208,6 +210,27 @@ def test_a_held_chunk_takes_the_table_silently():
         missed = resolve(linear_call(T=100), chunk=32)
     assert (held.launch.chunk, held.launch.bwd_chunk, held.launch.BV) == (16, 16, 64)
     assert (missed.launch.chunk, missed.launch.bwd_chunk) == (32, 32)
+
+
+def test_a_call_takes_the_launch_tables_give_once_remembered(monkeypatch, tmp_path):
+    """The runtime's lookup (launch_ints) on a machine with tables: the defaults on a miss, then a
+    table written by this process, then another user directory's: each change is seen, and a
+    lookup is remembered (not made again)."""
+    monkeypatch.setattr(tuning, "machine", lambda device: FAKE)
+    call = linear_call()
+    lookup = lambda: planner.ChunkedLaunch(*tuning.launch_ints(GDN, "chunked", call, torch.bfloat16,  # noqa: E731
+                                                                torch.device("cpu")))
+    with pytest.warns(UserWarning, match="no tuned chunked launch"):
+        assert lookup() == default(call)
+    tuned = dataclasses.replace(default(call), BV=64)
+    tuning.record([entry(call, tuned)], FAKE)
+    assert lookup() == tuned
+    real_choose = tuning.choose
+    monkeypatch.setattr(tuning, "choose", no_search)
+    assert lookup() == tuned
+    monkeypatch.setattr(tuning, "choose", real_choose)
+    monkeypatch.setenv("ATTNGEN_TUNE_DIR", str(tmp_path / "elsewhere"))
+    assert lookup() == default(call)
 
 
 def test_off_cuda_the_defaults_and_no_tables():
