@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import statistics
 import time
 from typing import Callable
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .spec import LOG_DECAY_FLOOR, Spec
-from .testing import Shape, bench_inputs, format_shape, parse_shape
+from .testing import Shape, bench_inputs, format_shape
 
 BASELINES = ("fla", "sdpa", "flex")
 SEQ_SWEEP = tuple(1024 << i for i in range(8))      # --plot: T from 1K to 128K
@@ -46,7 +45,7 @@ def _fla(module: str, name: str):
 
 
 def _linear_baselines(spec: Spec, scale: float) -> list[Baseline]:
-    if spec.mask != "causal" or spec.normalize == "sum" and spec.feature_map != "elu_plus_one":
+    if spec.mask != "causal":
         return []
     delta, decay, l2 = spec.update == "delta", spec.decay, spec.qk_norm == "l2"
     if spec.feature_map != "identity":
@@ -69,11 +68,13 @@ def _linear_baselines(spec: Spec, scale: float) -> list[Baseline]:
         return []
     if delta or l2 or spec.normalize == "sum":
         return []
-    simple_gla = lambda **kw: lambda t: _fla("simple_gla", "chunk_simple_gla")(  # noqa: E731
-        t["q"], t["k"], t["v"], **{n: t["g"] for n in kw.values()}, scale=scale)[0]
+    def simple_gla(gate: str):
+        """chunk_simple_gla with our g as its per-token gate (g) or per-head one (g_gamma)."""
+        return lambda t: _fla("simple_gla", "chunk_simple_gla")(t["q"], t["k"], t["v"], scale=scale,
+                                                                **{gate: t["g"]})[0]
     return {
-        "scalar": [Baseline("fla chunk_simple_gla", "fla", simple_gla(g="g"))],
-        "constant": [Baseline("fla chunk_simple_gla g_gamma", "fla", simple_gla(g="g_gamma"))],
+        "scalar": [Baseline("fla chunk_simple_gla", "fla", simple_gla("g"))],
+        "constant": [Baseline("fla chunk_simple_gla g_gamma", "fla", simple_gla("g_gamma"))],
         "vector": [Baseline("fla chunk_gla", "fla", lambda t: _fla("gla", "chunk_gla")(
             t["q"], t["k"], t["v"], t["g"], scale=scale)[0])],
         "none": [Baseline("fla chunk_linear_attn", "fla", lambda t: _fla("linear_attn", "chunk_linear_attn")(
@@ -108,18 +109,22 @@ def _softmax_baselines(spec: Spec, shape: Shape, scale: float, device) -> list[B
     def flex(t):
         if not state:   # built on the first call: the block mask once per case
             state.update(mask=block_mask(), attend=_compiled_flex())
-        score_mod = None
-        if spec.decay == "scalar":
-            # the bias sum_{i=j+1..t} g_i = G_t - G_j of the cumulative floored log decay
-            G = heads_first(torch.cumsum(t["g"].float().clamp(min=LOG_DECAY_FLOOR), 1))   # [B, H, Tk]
-
-            def score_mod(score, b, h, q, kv):
-                return score + G[b, h, q + off] - G[b, h, kv]
+        score_mod = _decay_score_mod(t["g"], off) if spec.decay == "scalar" else None
         return heads_first(state["attend"](*(heads_first(t[n]) for n in "qkv"), score_mod=score_mod,
                                            block_mask=state["mask"], scale=scale, enable_gqa=gqa))
     name = {"causal": "causal", "sliding_window": f"window {window}", "bidirectional": "no mask"}[spec.mask]
     out.append(Baseline(f"FlexAttention {name}{' + decay score_mod' if spec.decay == 'scalar' else ''}", "flex", flex))
     return out
+
+
+def _decay_score_mod(g: torch.Tensor, off: int):
+    """FlexAttention's score_mod of the forgetting decay: the bias sum_{i=j+1..t} g_i = G_t - G_j of
+    G the cumulative floored log decay, g [B, Tk, H], queries aligned to the end of the keys."""
+    G = torch.cumsum(g.float().clamp(min=LOG_DECAY_FLOOR), 1).transpose(1, 2)   # [B, H, Tk]
+
+    def score_mod(score, b, h, q, kv):
+        return score + G[b, h, q + off] - G[b, h, kv]
+    return score_mod
 
 
 @functools.lru_cache(maxsize=1)
