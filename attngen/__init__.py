@@ -3,13 +3,13 @@ __version__ = "0.1.0"
 
 from .spec import Spec, SpecError, load_spec
 
-__all__ = ["Op", "Spec", "SpecError", "load", "load_spec", "__version__"]
+__all__ = ["Op", "Spec", "SpecError", "StateCache", "load", "load_spec", "__version__"]
 
 # The op needs torch, whose import takes seconds: it is imported on first use, so that
 # `import attngen` (and `attngen --help`) stays cheap. The interpreter is the submodule
 # attngen.reference (its function attngen.reference.reference); the package no longer binds
 # the function over the module's name, which made `from . import reference` ambiguous.
-_LAZY = {"Op": "runtime", "load": "runtime"}
+_LAZY = {"Op": "runtime", "StateCache": "serving", "load": "runtime"}
 
 
 def __getattr__(name: str):

@@ -27,6 +27,12 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
     return B, T, H, K, V
 
 
+def _ranks(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--ranks: expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _machine_device() -> str:
     """Where the kernels would run on this machine: CUDA if torch sees a GPU, else the CPU."""
     import torch
@@ -63,6 +69,8 @@ def cmd_explain(args) -> int:
             chosen = tuning.choose(op.spec, family, call, dtype, device, chunk)
             print(f"{family} kernel launch, {tuning.dtype_name(dtype)}: {chosen.launch.describe()}\n"
                   f"  {chosen.source}")
+    if args.ranks is not None:
+        print("\n" + planner.explain_parallel(op.spec, args.ranks, B, T, H, K, V))
     return 0
 
 
@@ -221,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("explain", help="semantics, legal forms, stage DAGs, and the form chosen for a shape")
     p.add_argument("spec", type=Path)
     p.add_argument("--shape", type=_shape, default="1,4096,16,128,128", help="B,T,H,K,V")
+    p.add_argument("--ranks", type=_ranks, default=None,
+                   help="context parallel over N ranks (attngen.distributed): the exchange and bytes per rank "
+                        "for T split into N shards")
     p.set_defaults(fn=cmd_explain)
 
     p = sub.add_parser("check", help="every form of every spec against the interpreter")

@@ -47,10 +47,19 @@ class Ctx:
 
 def feature_map(ctx: Ctx, q, k):
     """q, k [B, T, H, K] -> q_hat, k_hat [B, T, H, F]: phi, l2 norm, scale (on q)."""
-    qh, kh = (_phi(ctx, x.to(ctx.dtype)) for x in (q, k))
+    return query_features(ctx, q), _features(ctx, k)
+
+
+def query_features(ctx: Ctx, q):
+    """q [B, T, H, K] -> q_hat [B, T, H, F]: phi, l2 norm and scale."""
+    return _features(ctx, q) * ctx.call.scale
+
+
+def _features(ctx: Ctx, x):
+    x = _phi(ctx, x.to(ctx.dtype))
     if ctx.spec.qk_norm == "l2":
-        qh, kh = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS) for x in (qh, kh))
-    return qh * ctx.call.scale, kh
+        x = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+    return x
 
 
 def _phi(ctx: Ctx, x):
@@ -254,14 +263,25 @@ def visible_keys(spec: Spec, p_lo: int, p_hi: int, Tk: int) -> tuple[int, int]:
     return lo, min(p_hi + 1, Tk)
 
 
+def softmax_with_lse(s):
+    """[.., n] scores -> (softmax weights, natural-log log-sum-exp [..]). The row max is a
+    constant of the rows (detached): the weights and lse do not depend on it, and differentiate
+    as softmax and logsumexp do (d lse / d s = the weights)."""
+    m = s.detach().amax(-1, keepdim=True)
+    e = torch.exp(s - m)
+    total = e.sum(-1, keepdim=True)
+    return e / total, (m + torch.log(total))[..., 0]
+
+
 def softmax_attend(ctx: Ctx, qs, ks, vs, gs, valid):
     """Masked softmax attention per query block, over the keys the block can see (O(T^2)
-    work, O(T * block) memory); queries align to the end of the keys."""
+    work, O(T * block) memory); queries align to the end of the keys. Returns the outputs
+    [N, H, Tq, V] and each query's log-sum-exp [N, H, Tq]."""
     spec, Tk = ctx.spec, ks.shape[2]
     Tq = qs.shape[2] if valid is not None else ctx.call.q_len
     qs = qs[:, :, :Tq]
     G = None if gs is None else floor_log_decay(gs.to(torch.float64)).cumsum(-1)    # [N, H, Tk]
-    outs = []
+    outs, lses = [], []
     for start in range(0, Tq, SOFTMAX_QUERY_BLOCK):
         end = min(start + SOFTMAX_QUERY_BLOCK, Tq)
         lo, hi = visible_keys(spec, start + Tk - Tq, end - 1 + Tk - Tq, Tk)
@@ -278,5 +298,7 @@ def softmax_attend(ctx: Ctx, qs, ks, vs, gs, valid):
             allowed = allowed & valid[:, None, None, lo:hi]
         # A finite floor, not -inf: padded query rows may see no key; they are dropped later.
         s = s.masked_fill(~allowed, torch.finfo(s.dtype).min)
-        outs.append(torch.softmax(s, -1) @ vs[:, :, lo:hi])
-    return torch.cat(outs, 2)
+        p, lse = softmax_with_lse(s)
+        outs.append(p @ vs[:, :, lo:hi])
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)

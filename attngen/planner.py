@@ -47,16 +47,18 @@ class Form:
     doc: str
 
     def graph(self) -> nx.DiGraph:
-        """Stages as nodes, an edge per value passed from one stage to another."""
+        """Stages as nodes ("<position>.<fn>": a stage function may be applied twice), an edge
+        per value passed from one stage to another."""
         dag = nx.DiGraph()
         producer: dict[str, str] = {name: "input" for name in self.inputs}
         dag.add_node("input")
-        for stage in self.stages:
-            dag.add_node(stage.fn, stage=stage)
+        for i, stage in enumerate(self.stages, 1):
+            node = f"{i}.{stage.fn}"
+            dag.add_node(node, stage=stage)
             for _, name in stage.inputs:
-                dag.add_edge(producer[name], stage.fn, value=name)
+                dag.add_edge(producer[name], node, value=name)
             for name in stage.outputs:
-                producer[name] = stage.fn
+                producer[name] = node
         dag.add_node("output")
         for name in self.outputs:
             dag.add_edge(producer[name], "output", value=name)
@@ -163,11 +165,13 @@ def _softmax_forms(spec: Spec) -> tuple[Form, ...]:
            "one padded row per sequence, [N, H, L, *] ([N, H_kv, L, *] k, v)"),
         _s("share_kv_heads", {"ks": "ks_kv", "vs": "vs_kv"}, ("ks", "vs"),
            "grouped-query attention: each query head's keys and values"),
-        _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), "os",
-           f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block"),
+        _s("softmax_attend", ("qs", "ks", "vs", "gs", "valid"), ("os", "lses"),
+           f"masked softmax ({spec.mask}{', decay bias' if spec.decay == 'scalar' else ''}) per query block, "
+           "and each query's log-sum-exp"),
         _s("from_sequences", {"out": "os", "valid": "valid"}, "o", "back to [B, Tq, H, V]"),
+        _s("from_sequences", {"out": "lses", "valid": "valid"}, "lse", "back to [B, Tq, H]"),
     )
-    return (Form("parallel", stages, ("q", "k", "v", "g", "beta", "cu_seqlens"), ("o",),
+    return (Form("parallel", stages, ("q", "k", "v", "g", "beta", "cu_seqlens"), ("o", "lse"),
                  "flash-style: scores, mask, softmax, values"),)
 
 
@@ -275,17 +279,24 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedLaunch(Launch):
-    """Launch knobs of the chunked linear kernels: the forward, and the backward (which recomputes
-    the chunk-start states at a chunk of its own)."""
+    """Launch knobs of the chunked linear kernels: the forward's three steps (the chunk-parallel
+    prepare step, UT transform or keys; the sequential state pass; the output pass) each with its
+    own warps and value blocks, and the backward (which recomputes the chunk-start states at a chunk
+    of its own through the forward's prepare and state steps)."""
 
     chunk: int = knob("fwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the forward
-    BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program (every chunked kernel)
-    warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the forward's passes (and the backward's state pass)
+    BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes of the prepare step's value loop and the backward's kernels
+    prepare_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the prepare step (UT transform or keys)
+    states_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the state pass
+    states_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the state pass (the backward's recomputation too)
     stages: int = knob("fwd", "stages", (1, 2, 3))  # software-pipeline stages of the forward's state pass
+    output_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the output pass
+    output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
     maxnreg: int = knob("fwd", "registers", (128, 255))  # registers per thread (every chunked kernel)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
-    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's kernels
-    bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's state pass
+    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
+    bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
+    bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the delta rule's state-gradient pass (1: additive rules have none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,20 +389,40 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     return size + (BF * 4 if spec.decay == "vector" else 0)
 
 
+def delta_bwd_states_stage_bytes(chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
+    """The tiles one chunk of the delta rule's state-gradient pass loads: the decayed keys, the
+    queries and W transposed and dU (in chunked_pass_dtype), and do (the input dtype)."""
+    tile = 2 if dtype == torch.bfloat16 else 4
+    return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
+
+
 def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     """The default launch of the chunked kernels for a call."""
     BF = lanes(call.feature_dim)
+    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks
+    # for wide features
+    BV = 64 if BF <= 64 else 32
+    # Four warps for fp32 and fp16 inputs (tf32 dots): two (64 threads) holding a 64-token chunk's
+    # [64, 128] float32 tiles spilled registers and compiled 3x slower. Two for bf16 past 128
+    # feature lanes.
+    warps = 2 if dtype == torch.bfloat16 else 4
+    prepare_warps = states_warps = output_warps = warps
+    states_BV = output_BV = BV
+    if dtype == torch.bfloat16 and BF <= 128:
+        # bf16 at K = V = 128 on the H200 (BENCHMARKS.md 2026-12-01): four warps, the state pass by
+        # 64-value blocks and the output pass by 128 (against two warps and 32) took gated_deltanet's
+        # passes from 536 and 858 us to 357 and 337, gla's forward from 9.24 to 3.09 ms; 64-token
+        # chunks at four warps verified for these steps.
+        states_BV, output_BV = 64, 128
+        prepare_warps = states_warps = output_warps = 4
+        if spec.update == "delta" and spec.decay != "vector":
+            # The UT step of scalar-decay and plain delta rules stays at two warps: its 64-row
+            # 16-bit dots are those Triton 3.6 miscompiled at four (and at four it took 1126 us
+            # against 679).
+            prepare_warps = 2
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
-        chunk=DEFAULT_CHUNK,
-        # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value
-        # blocks for wide features
-        BV=64 if BF <= 64 else 32,
-        # Four warps for fp32 and fp16 inputs (tf32 dots): two (64 threads) holding a 64-token
-        # chunk's [64, 128] float32 tiles spilled registers and compiled 3x slower. Two for bf16:
-        # with four, Triton 3.6 miscompiled the 64-row wgmma dots of 16-bit operands on the H200 at
-        # K = V = 128 (wrong outputs, illegal addresses; BENCHMARKS.md).
-        warps=2 if dtype == torch.bfloat16 else 4,
-        stages=3,
+        chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, states_BV=states_BV,
+        states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
         maxnreg=MAXNREG,
         # The backward: at most 32-token chunks whatever the forward's (it recomputes its states),
         # and four warps. kda fp32 at K = V = 128:
@@ -403,6 +434,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         bwd_chunk=32,
         bwd_warps=4,
         bwd_stages=3,
+        bwd_ds_stages=3,
     ))
 
 
@@ -421,15 +453,22 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         fwd_chunk = min(fwd_chunk, 32)
     if dtype == torch.bfloat16:
         # Triton 3.6 miscompiled the 64-row wgmma dots of bf16 operands on the H200 at K = V = 128
-        # (wrong outputs, illegal addresses; BENCHMARKS.md): at four warps or more (a warpgroup: the
-        # dots go to wgmma) a pass takes chunks of at most 32 tokens, whose dots have 32 rows.
-        fwd_chunk = min(fwd_chunk, 32) if launch.warps >= 4 else fwd_chunk
+        # (wrong outputs, illegal addresses; BENCHMARKS.md) in the UT step of scalar-decay and plain
+        # delta rules and in the backward: at four warps or more (a warpgroup: the dots go to
+        # wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The forward's
+        # other steps were verified at 64-token chunks and four warps.
+        if spec.update == "delta" and spec.decay != "vector" and launch.prepare_warps >= 4:
+            fwd_chunk = min(fwd_chunk, 32)
         bwd_chunk = min(bwd_chunk, 32) if launch.bwd_warps >= 4 else bwd_chunk
-    BV = min(launch.BV, lanes(call.value_dim))
+    V = lanes(call.value_dim)
+    BV, states_BV, output_BV = min(launch.BV, V), min(launch.states_BV, V), min(launch.output_BV, V)
+    ds_stages = (min(launch.bwd_ds_stages, pipeline_stages(delta_bwd_states_stage_bytes(bwd_chunk, BF, BV, dtype)))
+                 if spec.update == "delta" else 1)
     return dataclasses.replace(
-        launch, chunk=fwd_chunk, BV=BV, bwd_chunk=bwd_chunk,
-        stages=min(launch.stages, pipeline_stages(chunked_stage_bytes(spec, fwd_chunk, BF, BV, dtype))),
-        bwd_stages=min(launch.bwd_stages, pipeline_stages(chunked_stage_bytes(spec, bwd_chunk, BF, BV, dtype))))
+        launch, chunk=fwd_chunk, BV=BV, states_BV=states_BV, output_BV=output_BV, bwd_chunk=bwd_chunk,
+        stages=min(launch.stages, pipeline_stages(chunked_stage_bytes(spec, fwd_chunk, BF, states_BV, dtype))),
+        bwd_stages=min(launch.bwd_stages, pipeline_stages(chunked_stage_bytes(spec, bwd_chunk, BF, states_BV, dtype))),
+        bwd_ds_stages=ds_stages)
 
 
 def _softmax_lens(call: Call) -> tuple[int, int]:
@@ -513,6 +552,118 @@ def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: 
     if family == "chunked":
         return fit_chunked(spec, call, dtype, launch, chunk)
     return fit_softmax(call, launch)
+# Context parallelism (attngen.distributed): ranks hold consecutive time shards of the same
+# sequences and exchange, with one all-gather (its gradient one reduce-scatter in the backward),
+# what each needs from the others. The method follows from the spec:
+PARALLEL_METHODS = {
+    "affine": "a shard maps the state entering it affinely, S_out = M S_in + S_loc: one run of the op on "
+              "values [v | 0_F] from the state [0 | I] gives [S_loc | M] as its final state and, in its "
+              "outputs' last F columns, r_t = M_t^T q_t, so o_t = o_loc_t + S_in^T r_t (no second run); "
+              "all-gather the (M, S_loc) summaries, compose those of the ranks before",
+    "decay": "additive rule: M is the decay product (diagonal; I without decay), known from g alone: one run "
+             "from a zero state gives o_loc and S_loc, and o_t = o_loc_t + S_in^T (Gamma_t q_t) with Gamma_t "
+             "the decay since the shard's start; all-gather the (diag M, S_loc) summaries, compose those of "
+             "the ranks before",
+    "sum": "bidirectional: a sequence's state is the sum of its pieces' K^T V: all-gather the states of the "
+           "pieces that continue on other ranks, add those of the same sequence, o_t += S_others^T q_t",
+    "keys": "all-gather the keys and values (and g): each rank attends its queries to the keys up to its "
+            "shard's end (the op aligns causal and window masks to the end when Tq < Tk). Not a ring: one "
+            "exchange each way, and the op runs unchanged, where merging a ring's partial results needs the "
+            "log-sum-exp the op does not return; the cost is memory, every rank holding the keys it may see",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """How a spec runs context-parallel: its method (PARALLEL_METHODS) and why."""
+
+    method: str
+    legal: tuple[str, ...]
+    reason: str
+    unnormalized: bool      # normalize sum: the ranks exchange and correct the un-normalized sums
+
+
+def parallel(spec: Spec, method: str | None = None) -> Parallel:
+    """The context-parallel method of a spec: the user's if given (and legal), else the cheapest."""
+    if not spec.is_linear:
+        legal, reason = ("keys",), "softmax attention"
+    elif spec.mask == "bidirectional":
+        legal, reason = ("sum",), "bidirectional linear attention"
+    elif spec.update == "additive":
+        legal, reason = ("decay", "affine"), "additive rule: M from g alone, no F x F exchange"
+    else:
+        legal, reason = ("affine",), "delta rule: M depends on the keys"
+    if method is not None:
+        if method not in legal:
+            raise ValueError(f"method: {method!r} is not a context-parallel method of spec {spec.name!r}; "
+                             f"legal: {', '.join(legal)}")
+        reason = "asked for"
+    return Parallel(method or legal[0], legal, reason, spec.is_linear and spec.normalize == "sum")
+
+
+def exchange_elements(spec: Spec, method: str, batch: int, shard_len: int, heads: int, kv_heads: int,
+                      head_dim: int, value_dim: int, packed: bool) -> tuple[tuple[str, int, str], ...]:
+    """What one rank puts into the forward all-gather: (what, elements, dtype) per buffer; dtype
+    'state' is the state's (float32, float64 for float64 inputs), 'input' that of q."""
+    F = spec.feature_dim(head_dim)
+    Vs = value_dim + 1 if spec.is_linear and spec.normalize == "sum" else value_dim
+    rows = 1 if packed else batch
+    if method == "affine":
+        return (("[M | S_loc]", rows * heads * F * (F + Vs), "state"),)
+    if method == "decay":
+        return (("[diag M | S_loc]", rows * heads * F * (1 + Vs), "state"),)
+    if method == "sum":
+        # a packed shard may hold the pieces of two sequences that continue elsewhere
+        return (("pieces' states", (2 if packed else 1) * rows * heads * F * Vs, "state"),)
+    out = [("k", batch * shard_len * kv_heads * head_dim, "input"), ("v", batch * shard_len * kv_heads * value_dim,
+                                                                          "input")]
+    if spec.decay == "scalar":
+        out.append(("g", batch * shard_len * heads, "g"))
+    return tuple(out)
+
+
+# What each rank computes beyond its shard's own call, per method.
+PARALLEL_WORK = {
+    "affine": "rank 0 runs the op on its shard; the others on V + F value columns (the identity's F columns "
+              "carry M and r), plus one [T_r, F] x [F, V] product per head",
+    "decay": "every rank runs the op once on its shard; the others add one [T_r, F] x [F, V] product per head",
+    "sum": "every rank runs the op once on its shard; pieces that continue elsewhere add one [T_r, F] x [F, V] "
+           "product per head",
+    "keys": "rank r attends its T_r queries to the keys it may see, up to its shard's end: with equal shards of "
+            "causal attention the last rank does (2R - 1)/R^2 of the work; shards ending at T sqrt(r/R) "
+            "balance it",
+}
+
+
+def explain_parallel(spec: Spec, ranks: int, batch: int, length: int, heads: int, head_dim: int,
+                     value_dim: int, input_bytes: int = 2) -> str:
+    """The context-parallel plan over `ranks` equal shards of `length` tokens, and its bytes per
+    rank (states in float32, keys and values of `input_bytes` each)."""
+    par = parallel(spec)
+    shard = -(-length // ranks)
+    bufs = exchange_elements(spec, par.method, batch, shard, heads, heads, head_dim, value_dim, packed=False)
+    size = {"state": 4, "input": input_bytes, "g": 4}
+    each = sum(n * size[d] for _, n, d in bufs)
+    what = " and ".join(f"{name} ({n} values of {size[d]} bytes)" for name, n, d in bufs)
+    lines = [f"context parallel over {ranks} ranks (attngen.distributed), B={batch}, shards of {shard} tokens: "
+             f"method {par.method} ({par.reason}; legal: {', '.join(par.legal)})",
+             f"  {PARALLEL_METHODS[par.method]}",
+             f"  {PARALLEL_WORK[par.method]}"]
+    if par.unnormalized:
+        lines.append("  normalize sum: the shards run the spec without its normalizer on [v, 1]; the division "
+                     "comes after the correction")
+    lines += [f"  exchange: all-gather forward of {what} from each rank; backward its gradient, a "
+              "reduce-scatter of the same size",
+              f"  per rank and step: contributes {_bytes(each)} and receives {_bytes(each * (ranks - 1))} "
+              "forward, the same backward"]
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,6 +689,15 @@ class KernelSpec:
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
     log_decay_floor: float          # log decays are raised to it where the kernels load them
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
+    decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
+
+
+# Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
+# X ⊙ exp(G) and Y ⊙ exp(-G), G the log decay cumulated from the block's start, when the block's
+# decay G_B spans at most this in every feature: the factors stay within e^±40 (fp32 and bf16 reach
+# e^88; a term x_t y_s of 1e-21 or more keeps normal operands). Past it, the kernels take the pairs by
+# offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for any decay.
+DECAY_SPAN = 40.0
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -557,7 +717,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR,
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN,
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 
@@ -596,7 +756,9 @@ MEMORY = {
               "values, T x (F + V), and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
               "recurrent backward keeps per-token partials, O(T (K + V)) per head times the value blocks; the "
               "chunked backward recomputes the chunk-start states at chunks of at most 32 tokens (T/32 x F x "
-              "V floats per head) and keeps per-value-block dq/dk partials, transient inside the backward",
+              "V floats per head) and keeps per-value-block dq/dk partials (additive rules) or, with the delta "
+              "rule, the state gradient per chunk (as many floats as the states) and per-token pieces (dU, the "
+              "decayed queries, a dk part: T x (2F + V)), transient inside the backward",
 }
 
 

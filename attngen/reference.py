@@ -113,12 +113,14 @@ def softmax_allowed(spec: Spec, Tq: int, Tk: int, device=None) -> torch.Tensor:
 
 
 def _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype):
+    """(o [B, Tq, H, V], lse [B, Tq, H]): the output and the natural-log log-sum-exp of each
+    query's allowed scaled scores (decay bias included)."""
     call = check_softmax(spec, q, k, v, g, scale, cu_seqlens)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     # grouped-query attention: query head h reads key / value head h // (H / H_kv)
     k, v = (t.repeat_interleave(call.heads // call.kv_heads, 2) for t in (k, v))
     g = None if g is None else g.to(dtype)
-    outs = []
+    outs, lses = [], []
     for b, start, end in _sequences(call.batch, call.k_len, cu_seqlens):
         if cu_seqlens is None:
             qs, ks, vs = q[b], k[b], v[b]                       # [Tq, H, K], [Tk, H, K]
@@ -138,17 +140,24 @@ def _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype):
             s = s + G[:, pos, None] - G[:, None, :]
         s = s.masked_fill(~softmax_allowed(spec, Tq, Tk, q.device), float("-inf"))
         outs.append(torch.einsum("htj,jhv->thv", torch.softmax(s, -1), vs))
-    return torch.cat(outs)[None] if cu_seqlens is not None else torch.stack(outs)
+        lses.append(torch.logsumexp(s, -1).T)
+    if cu_seqlens is not None:
+        return torch.cat(outs)[None], torch.cat(lses)[None]
+    return torch.stack(outs), torch.stack(lses)
 
 
 def reference(spec, q, k, v, g=None, beta=None, scale=None, initial_state=None,
-              output_final_state=False, cu_seqlens=None, dtype=torch.float64):
+              output_final_state=False, cu_seqlens=None, dtype=torch.float64, return_lse=False):
     """The oracle with the runtime contract of DESIGN.md §2. Linear: (o, final_state);
-    softmax: o. Computed and returned in `dtype`: float64 is the oracle; a lower precision
-    gives the error scale of the same computation in plain PyTorch."""
+    softmax: o, or (o, lse [B, Tq, H]) with return_lse. Computed and returned in `dtype`:
+    float64 is the oracle; a lower precision gives the error scale of the same computation in
+    plain PyTorch."""
     spec = load_spec(spec)
     if spec.is_linear:
+        if return_lse:
+            raise ValueError("return_lse: linear attention has no log-sum-exp (it is for attention: softmax)")
         return _linear(spec, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, dtype)
     if beta is not None or initial_state is not None or output_final_state:
         raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of these")
-    return _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype)
+    o, lse = _softmax(spec, q, k, v, g, scale, cu_seqlens, dtype)
+    return (o, lse) if return_lse else o

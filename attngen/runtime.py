@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner, tuning
+from . import algebra, codegen, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
@@ -33,7 +33,10 @@ def _random_features(spec: Spec, head_dim: int) -> torch.Tensor:
 class Op:
     """A compiled attention op. Linear: op(q, k, v, g, beta, scale, initial_state,
     output_final_state, cu_seqlens) -> (o, final_state); softmax: op(q, k, v, g, scale,
-    cu_seqlens) -> o. `form=` and `chunk_size=` force the planner's choice."""
+    cu_seqlens) -> o, or (o, lse) with return_lse=True (lse [B, Tq, H]: each query's
+    natural-log log-sum-exp of its allowed scaled scores, float32, float64 for float64 inputs;
+    differentiable). `form=` and `chunk_size=` force the planner's choice; `cache=` and `slots=`
+    serve requests from an attngen.StateCache (serving.py)."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -73,24 +76,123 @@ class Op:
         return planner.choose(self.plan, call, form, chunk_size)
 
     def __call__(self, q, k, v, g=None, beta=None, scale=None, initial_state=None,
-                 output_final_state=False, cu_seqlens=None, *, form: str | None = None,
-                 chunk_size: int | None = None):
+                 output_final_state=False, cu_seqlens=None, *, return_lse: bool = False, form: str | None = None,
+                 chunk_size: int | None = None, cache: serving.StateCache | None = None, slots=None):
+        if cache is not None or slots is not None:
+            if return_lse is not False:
+                raise ValueError(f"return_lse: a call on a state cache returns no log-sum-exp, got {return_lse!r}")
+            return self._serve(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form,
+                               chunk_size, cache, slots)
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, form, chunk_size)
+                                                 cu_seqlens, return_lse, form, chunk_size)
         if _use_kernels(self.spec, q):
-            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
-        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+            return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                     return_lse)
+        return self._run_torch(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                               return_lse)
 
     def kernels(self, q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None):
+                cu_seqlens=None, return_lse=False):
         """The call on the generated kernels whatever the backend (the generated module's
         `attention` entry): inputs checked and the form chosen as for a call of the op."""
         call, choice, cu_seqlens = self._prepare(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                 cu_seqlens, None, None)
-        return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+                                                 cu_seqlens, return_lse, None, None)
+        return self._run_kernels(call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                 return_lse)
 
-    def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size):
+    def _serve(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, chunk_size,
+               cache, slots):
+        """A call on a StateCache: sequence n starts from the state in slot slots[n] and its final
+        state is written back there -> (o, None); softmax: its keys and values appended to the
+        slot, its queries attending to the slot's keys -> o."""
+        if cache is None or slots is None:
+            raise ValueError("cache, slots: a call on a state cache takes both (the cache and one slot per sequence)")
+        if not self.spec.is_linear:
+            return self._serve_keys(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form,
+                                    cache, slots)
+        if initial_state is not None or output_final_state:
+            raise ValueError("initial_state, output_final_state: a call on a cache reads each sequence's initial "
+                             "state from its slot and writes the final state back there; pass neither")
+        call = check_linear(self.spec, q, k, v, g, beta, scale, None, cu_seqlens)
+        serving.check_cache(self.spec, call, q, cache, slots)
+        serving.check_inference(q=q, k=k, v=v, g=g, beta=beta)
+        if validating():
+            validate_values(q, k, v, g, beta)
+            serving.validate_slots(slots, cache.num_slots)
+        choice = self.choose(call, form, chunk_size)
+        cu_seqlens = packed_offsets(cu_seqlens)
+        if _use_kernels(self.spec, q):
+            if self._kernels is None:
+                self._kernels = kernels_for(self)
+            omega = self.features(call.head_dim, q.device, torch.float32)
+            kform, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
+            if torch.compiler.is_compiling():
+                # the registered op (mutating the cache), which torch.compile traces
+                return self._kernels.cached_op(q, k, v, g, beta, omega, cache.state, slots, cu_seqlens, call.scale,
+                                               kform, launch), None
+            # eagerly the same launches without the dispatcher's pass over a mutating op (some
+            # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
+            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, launch,
+                                         True, slots)[0], None
+        run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
+        return serving.run_torch(run, cache, slots), None
+
+    def _serve_keys(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, form, cache,
+                    slots):
+        if beta is not None or initial_state is not None or output_final_state:
+            raise ValueError("beta, initial_state, output_final_state: softmax attention takes none of these (they "
+                             "are for attention: linear)")
+        call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
+        serving.check_cache(self.spec, call, q, cache, slots)
+        serving.check_inference(q=q, k=k, v=v)
+        if validating():
+            validate_values(q, k, v, g)
+            serving.validate_slots(slots, cache.num_slots)
+            cu = cu_seqlens.tolist() if cu_seqlens is not None else None
+            serving.validate_room(cache, slots, [call.q_len] * call.num_seqs if cu is None else
+                                  [b - a for a, b in zip(cu, cu[1:])])
+        choice = self.choose(call, form)
+        cu_seqlens = packed_offsets(cu_seqlens)
+        if _use_kernels(self.spec, q):
+            if self._kernels is None:
+                self._kernels = kernels_for(self)
+            args = (q, k, v, cache.k, cache.v, cache.lengths, slots, cu_seqlens, call.scale, call.max_len,
+                     cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
+            if torch.compiler.is_compiling():
+                return self._kernels.cached_op(*args)
+            return self._kernels.cached_forward(*args)
+
+        def attend(q_n, k_n, v_n):
+            call_n = check_softmax(self.spec, q_n, k_n, v_n, None, call.scale)
+            return self._run_torch(call_n, choice, q_n, k_n, v_n, None, None, None, False, None)
+
+        return serving.run_torch_keys(attend, cache, slots, q, k, v, cu_seqlens)
+
+    def cache_launch(self, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
+        """The softmax kernels' launch knobs for a call on a key/value cache (cache_launch)."""
+        return cache_launch(self.spec, call, rows, device, dtype)
+
+    def prepare_decode(self, cache: serving.StateCache, batch: int, dtype: torch.dtype = torch.float32,
+                       tokens: int = 1, scale: float | None = None, heads: int | None = None) -> serving.DecodeStep:
+        """A decode step of `batch` sequences of `tokens` tokens on `cache`, checked and planned once:
+        step(q, k, v, g=None, beta=None, *, slots) -> o (serving.DecodeStep); heads: a softmax op's
+        query heads (default: the cache's key / value heads). Where the kernels run (route, read
+        now) a call launches them alone; elsewhere it is a call of the op."""
+        held = getattr(cache, "state" if self.spec.is_linear else "k", None)
+        device = held.device if isinstance(held, torch.Tensor) else torch.device("cpu")
+        module = None
+        if route(self.spec, device.type, dtype)[0] == "triton":
+            module = self._kernels = self._kernels or kernels_for(self)
+        return serving.DecodeStep(self, cache, batch, tokens, dtype, scale, module, validating(), heads)
+
+    def _prepare(self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, return_lse, form,
+                 chunk_size):
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"return_lse: expected True or False, got {return_lse!r}")
         if self.spec.is_linear:
+            if return_lse:
+                raise ValueError(f"return_lse: spec {self.spec.name!r} is linear attention, which has no "
+                                 "log-sum-exp; return_lse=True is for attention: softmax")
             call = check_linear(self.spec, q, k, v, g, beta, scale, initial_state, cu_seqlens)
         else:
             if beta is not None or initial_state is not None or output_final_state:
@@ -101,7 +203,8 @@ class Op:
             validate_values(q, k, v, g, beta, initial_state)
         return call, self.choose(call, form, chunk_size), packed_offsets(cu_seqlens)
 
-    def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+    def _run_torch(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                   return_lse=False):
         """The PyTorch forms: the plan's stages executed with autograd (a packed call group by
         group of sequences, planner.packed_groups)."""
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -112,13 +215,15 @@ class Op:
             out = self._execute_packed(call, choice, env, dtype)
         o = out["o"].to(q.dtype)
         if not self.spec.is_linear:
-            return o
+            return (o, out["lse"]) if return_lse else o
         return o, (out["final_state"].to(dtype) if output_final_state else None)
 
+    def context(self, call: Call, chunk: int, dtype: torch.dtype, device) -> forms.Ctx:
+        """What the PyTorch stages of a call read besides its tensors (dtype: the compute dtype)."""
+        return forms.Ctx(self.spec, call, chunk, dtype, device, self.features(call.head_dim, device, dtype), self._phi)
+
     def _execute(self, call, choice, env, dtype) -> dict:
-        q = env["q"]
-        ctx = forms.Ctx(self.spec, call, choice.chunk, dtype, q.device, self.features(call.head_dim, q.device, dtype),
-                        self._phi)
+        ctx = self.context(call, choice.chunk, dtype, env["q"].device)
         return planner.execute(self.plan.form(choice.form), ctx, env)
 
     def _execute_packed(self, call, choice, env, dtype) -> dict:
@@ -155,7 +260,7 @@ class Op:
         # the inverse permutations: where each token (sequence) of the call went
         token_at = torch.empty(cu[-1], dtype=torch.int64, device=device)
         token_at[torch.cat(tokens)] = torch.arange(cu[-1], device=device)
-        out = {"o": torch.cat([o["o"] for o in outs], 1)[:, token_at]}
+        out = {name: torch.cat([o[name] for o in outs], 1)[:, token_at] for name in ("o", "lse") if name in outs[0]}
         if "final_state" in outs[0]:
             seq_at = torch.empty(len(lengths), dtype=torch.int64, device=device)
             seq_at[torch.cat(seqs)] = torch.arange(len(lengths), device=device)
@@ -185,21 +290,27 @@ class Op:
                 scale = rest[0]
                 call = check_softmax(self.spec, **args, scale=scale)
                 choice = planner.Choice("parallel", 1, "recomputed for the backward")
-                outs = [self._run_torch(call, choice, **args, beta=None, initial_state=None,
-                                        output_final_state=False)]
-                douts = [grads[0]]
+                o, lse = self._run_torch(call, choice, **args, beta=None, initial_state=None,
+                                         output_final_state=False, return_lse=True)
+                outs, douts = [o], [grads[0]]
+                if grads[1] is not None:
+                    # the kernel op's lse is [B, H, Tq] ([H, T] packed)
+                    outs.append(lse[0].T if call.varlen else lse.transpose(1, 2))
+                    douts.append(grads[1])
             got = torch.autograd.grad(outs, list(leaves.values()), douts, allow_unused=True)
         by_name = dict(zip(leaves, got))
         return tuple(by_name.get(n) for n in saved)
 
-    def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens):
+    def _run_kernels(self, call, choice, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                     return_lse=False):
         """The generated Triton kernels, through the op registered with torch.library."""
         if self._kernels is None:
             self._kernels = kernels_for(self)
         module = self._kernels
         form, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
         if not self.spec.is_linear:
-            return module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len, launch)[0]
+            o, lse = module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len, launch)
+            return (o, lse_layout(lse, call.varlen)) if return_lse else o
         omega = self.features(call.head_dim, q.device, torch.float32)
         o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, launch,
                           bool(output_final_state))
@@ -214,6 +325,12 @@ def check_call(op: Op, inputs: Mapping[str, Any]) -> Call:
     return check_softmax(op.spec, q, k, v, g, None, cu)
 
 
+def lse_layout(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """The softmax kernels' lse, [B, H, Tq] ([H, T] packed), as the contract's [B, Tq, H]: a view
+    (the kernels' layout keeps each head's queries adjacent for the backward)."""
+    return lse.transpose(0, 1)[None] if varlen else lse.transpose(1, 2)
+
+
 def kernel_launch(spec: Spec, choice: planner.Choice, call: Call, device: torch.device,
                   dtype: torch.dtype) -> tuple[str, list[int]]:
     """The kernel form serving a choice (planner.kernel_form) and its launch knobs on a device as the
@@ -222,6 +339,18 @@ def kernel_launch(spec: Spec, choice: planner.Choice, call: Call, device: torch.
     form, chunk = planner.kernel_form(spec, choice, call)
     family = planner.launch_family(spec, form)
     return form, list(tuning.launch_ints(spec, family, call, dtype, device, chunk)) if family is not None else []
+
+
+# Where SoftmaxLaunch.ints() holds BN (read here, not while torch.compile traces a call).
+_SOFTMAX_BN = planner.SoftmaxLaunch.knobs().index("BN")
+
+
+def cache_launch(spec: Spec, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
+    """The softmax kernels' launch knobs for a call on a key/value cache of `rows` rows per slot: a
+    query block reads at most rows + BN - 1 of them (a sliding window's first tile starts up to
+    BN - 1 keys before the window), which the split of the keys counts."""
+    BN = tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows)[_SOFTMAX_BN]
+    return list(tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows + BN))
 
 
 def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str, device: torch.device | str = "cpu",

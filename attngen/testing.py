@@ -151,14 +151,17 @@ def tolerance(dtype: torch.dtype, lowp_error: float | None) -> float:
     return max(LOWP_FACTOR * lowp_error, LOWP_FLOOR[dtype])
 
 
-def outputs_and_grads(fn, spec: Spec, inputs: dict, with_grads: bool, seed: int = 1) -> dict:
+def outputs_and_grads(fn, spec: Spec, inputs: dict, with_grads: bool, seed: int = 1, lse: bool = False) -> dict:
     """Run fn(**inputs) (the op's or the oracle's signature), and with_grads the gradients of a
-    random projection of o (and of the final state) wrt every floating input."""
+    random projection of o (and of the final state; with lse, of softmax's log-sum-exp, asked
+    for by return_lse=True) wrt every floating input."""
     inputs = {n: (t.detach().clone().requires_grad_(with_grads) if t.is_floating_point() else t)
               for n, t in inputs.items()}
     if spec.is_linear:
         o, s = fn(**inputs, output_final_state=True)
         outs = {"o": o, "final_state": s}
+    elif lse:
+        outs = dict(zip(("o", "lse"), fn(**inputs, return_lse=True)))
     else:
         outs = {"o": fn(**inputs)}
     result = {n: t.detach() for n, t in outs.items()}
@@ -174,18 +177,20 @@ def outputs_and_grads(fn, spec: Spec, inputs: dict, with_grads: bool, seed: int 
 
 
 def compare(spec: Spec, op_fn, inputs: dict, dtype: torch.dtype, with_grads: bool = True,
-            device: torch.device | str | None = None) -> list[tuple[str, float, float]]:
+            device: torch.device | str | None = None, lse: bool = False) -> list[tuple[str, float, float]]:
     """(name, error, tolerance) for every output and gradient of op_fn on inputs in `dtype`,
-    against the float64 oracle. Softmax/linear alike. The oracles run where the inputs are;
-    op_fn runs on `device` (default: there too), e.g. CPU oracles for GPU kernels."""
+    against the float64 oracle. Softmax/linear alike; lse: softmax's log-sum-exp too, and the
+    gradients of a loss on it. The oracles run where the inputs are; op_fn runs on `device`
+    (default: there too), e.g. CPU oracles for GPU kernels."""
     oracle = lambda **kw: reference(spec, **kw)
-    ref = outputs_and_grads(oracle, spec, inputs, with_grads)
+    ref = outputs_and_grads(oracle, spec, inputs, with_grads, lse=lse)
     lowp = None
     if dtype != torch.float64:
         low_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
-        lowp = outputs_and_grads(lambda **kw: reference(spec, **kw, dtype=dtype), spec, low_inputs, with_grads)
+        lowp = outputs_and_grads(lambda **kw: reference(spec, **kw, dtype=dtype), spec, low_inputs, with_grads,
+                                 lse=lse)
     run_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t).to(device or t.device) for n, t in inputs.items()}
-    got = outputs_and_grads(op_fn, spec, run_inputs, with_grads)
+    got = outputs_and_grads(op_fn, spec, run_inputs, with_grads, lse=lse)
     rows = []
     for name, r in ref.items():
         err = rel_error(got[name], r)

@@ -371,10 +371,12 @@ _ENVIRONMENT = ("ATTNGEN_TUNE_DIR", "ATTNGEN_CACHE", "ATTNGEN_AUTOTUNE")
 
 
 def launch_ints(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torch.device,
-                chunk: int | None = None) -> tuple[int, ...]:
+                chunk: int | None = None, k_len: int | None = None) -> tuple[int, ...]:
     """choose()'s launch as the generated op takes it (Launch.ints), remembered per call's sizes:
-    a call looks it up once (a decode step would otherwise spend more on it than on its kernels)."""
-    return _launch_ints(spec, family, tuple(getattr(call, n) for n in _CALL_FIELDS), dtype, device, chunk)
+    a call looks it up once (a decode step would otherwise spend more on it than on its kernels).
+    k_len: the keys the kernels read, where not the call's (a key/value cache's rows)."""
+    sizes = tuple(k_len if n == "k_len" and k_len is not None else getattr(call, n) for n in _CALL_FIELDS)
+    return _launch_ints(spec, family, sizes, dtype, device, chunk)
 
 
 @torch.compiler.assume_constant_result
@@ -425,6 +427,11 @@ class Found:
     best_ms: dict[str, float | None]
 
 
+# What a CUDA error that leaves the process's context unusable says: every kernel after it fails
+# (an illegal address from a miscompiled launch; Triton 3.6 at bf16 wgmma dots, BENCHMARKS.md).
+CONTEXT_LOST = ("illegal memory access", "illegal address", "misaligned address", "unspecified launch failure")
+
+
 def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Launch],
            measure: Callable[[planner.Launch, str], float], passes: tuple[str, ...] = ("fwd", "bwd"),
            report: Callable[[str], None] = print, rounds: int = 2, budget_s: float | None = None) -> Found:
@@ -432,7 +439,8 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     turn takes each of its search values (planner knob metadata, fitted to the call) with the
     others at the best so far, for up to `rounds` rounds while one improves. measure(launch, pass)
     -> milliseconds; an exception (a launch that does not compile, runs out of shared memory or
-    gives other outputs) skips that launch, reported. budget_s: no launch is tried after that many
+    gives other outputs) skips that launch, reported; one that loses the CUDA context (CONTEXT_LOST)
+    stops the search with a RuntimeError. budget_s: no launch is tried after that many
     seconds (the best so far stands; each pass's default is still timed)."""
     cls = type(default)
     best, trials = default, []
@@ -445,6 +453,12 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         except Exception as e:  # noqa: BLE001 -- any failure of a candidate skips it, reported
             lines = str(e).strip().splitlines()
             t = Trial(launch, pass_, None, f"{type(e).__name__}: {lines[0][:160] if lines else ''}")
+            if any(word in str(e) for word in CONTEXT_LOST):
+                report(f"  {label} {_changed(default, launch)}: {t.error}")
+                raise RuntimeError(
+                    f"launch {launch.describe()}: {t.error}. An illegal address (a miscompiled launch) leaves "
+                    "this process's CUDA context unusable: the search stops here, nothing after it could run; "
+                    "nothing is recorded for this shape") from e
         trials.append(t)
         report(f"  {label} {_changed(default, launch)}: "
                + (f"{t.ms:.3f} ms" if t.error is None else f"skipped, {t.error}"))

@@ -12,6 +12,8 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.gated_deltanet_8da2b838a7660fad (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.gated_deltanet_8da2b838a7660fad_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.gated_deltanet: the runtime contract with keyword arguments, as `attention`
   below; a second spec named gated_deltanet in one process keeps only its hashed op (a warning says so).
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
@@ -21,7 +23,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -63,18 +65,19 @@ def phi_grad(x):
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
-# sequences and decode (T = 1 with an initial state): the state is read and written once.
+# sequences and decode (T = 1 with an initial state): the state is read and written once. With
+# STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
 
 @triton.jit
 def recurrent_fwd_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -91,9 +94,17 @@ def recurrent_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -122,24 +133,46 @@ def recurrent_fwd_kernel(
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
+    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
+    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
+    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+    VS = V
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    grid = (N * H, triton.cdiv(V, BV))
+    dims = (H, K, V, F, VS)
+    x_scale, f_scale = K ** -0.25, F ** -0.5
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+
+    def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
+        recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
+                                   T, S, *dims, scale, x_scale, f_scale, **meta)
+
+    return run
+
+
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                  state_indices=None):
+    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
+    sequence n's state is its row state_indices[n], read and written back in place (the final
+    state returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
+    indexed = state_indices is not None
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, BV))
-    recurrent_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-    )
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    S = initial_state.shape[0] if initial_state is not None else N
+    run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
+                           indexed or output_final_state, indexed)
+    run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
 # Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
@@ -749,14 +782,14 @@ def chunked_ut_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_ut_kernel's W, U0 (U written over it), K ⊙ Γ_C/Γ and Γ_C
@@ -780,9 +813,17 @@ def chunked_states_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -806,8 +847,7 @@ def chunked_states_kernel(
         # accumulator, it was a plain load in the loop that the dot waited on)
         b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
-        if STORE_U:
-            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+        tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C)
@@ -922,8 +962,8 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV warps stages maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_stages"  # bwd
+    "chunk BV prepare_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "bwd_chunk bwd_warps bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -958,19 +998,34 @@ def chunked_pass_dtype(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+class ChunkedStates(NamedTuple):
+    """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
+    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
+    kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
+    gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
+    w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
+    u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
+    ai: Optional[torch.Tensor]              # [B, T, H, chunk] float32: the rows of (I + A)^-1
+    chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
+    chunk_seq: Optional[torch.Tensor]
+    n_slots: int
+
+
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   store_u):
-    """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
-    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
-    n_slots). Shared by the forward and the backward, each at its own chunk and stages. u is in chunked_pass_dtype."""
+                   state_indices=None):
+    """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
+    Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
+    the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
+    With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
+    state_indices[n] holds sequence n's state, read and written back in place (the final state
+    returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                DOT_PRECISION=chunked_dot_precision(q.dtype))
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = torch.empty(B, T, H, chunk, **f32)
     # W, the keys K ⊙ Γ_C/Γ and U0 (the state pass writes U over it); Γ_C per chunk slot
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
@@ -978,226 +1033,106 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     gc = torch.empty(n_slots, H, **f32)
     chunked_ut_kernel[(n_slots, H)](
         k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, V, F, K ** -0.25, F ** -0.5, num_warps=launch.warps, maxnreg=launch.maxnreg, **meta,
+        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, num_warps=launch.prepare_warps, maxnreg=launch.maxnreg, **meta,
     )
     h = torch.empty(n_slots, H, F, VS, **f32)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=launch.warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
+    indexed = state_indices is not None
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+        T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
+        HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
+        BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
     )
-    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
-def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state):
+def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
+                state_indices=None):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, launch a ChunkedLaunch
-    -> o like v, final state [N, H, F, VS] float32 (or None)."""
+    -> o like v, final state [N, H, F, VS] float32 (or None; the cache, with state_indices: see
+    chunked_states)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
-    BK, BF, BV = chunked_blocks(K, F, launch)
-    chunk = launch.chunk
-    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch, output_final_state,
-        store_u=True)
+    BK, BF, _ = chunked_blocks(K, F, launch)
+    BV, chunk = launch.output_BV, launch.chunk
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
+                        output_final_state, state_indices=state_indices)
     o = torch.empty_like(v)
-    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.warps, maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
-    return o, ht
-# ---------------------------------------------------------------------------- chunked backward
+    return o, st.ht
+# ---------------------------------------------------------------------------- chunked backward (delta rule)
 # Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,
 # with chunk-start state h_c, the gradient dS of the chunk-end state, P the decayed causal scores,
 # Ak_ts = k̂_t.diag(Γ_t/Γ_s) k̂_s (s < t), A = diag(β) Ak, T = (I + A)^-1, X = diag(β) V,
 # Y = diag(β) (K̂ ⊙ Γ), W = T Y and the written values U = T X - W h_c:
-#   dP = dO U^T       dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
+#   dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS          dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU
+#   dP = dO U^T       dq̂ = (dO h_c^T) ⊙ Γ + dP K̂       dk̂ = (U dS^T) ⊙ Γ_C/Γ + dP^T Q̂ + ...
 #   dW = -dU h_c^T    dX = T^T dU    dY = T^T dW    dT = dU X^T + dW Y^T    dA = -T^T dT T^T (s < t)
 #   dv = diag(β) dX   dβ = rowsum(dX ⊙ V) + rowsum(dY ⊙ K̂ ⊙ Γ) + rowsum(dA ⊙ Ak)
-#   dq̂ = (dO h_c^T) ⊙ Γ + dP K̂
-#   dk̂ = (U dS^T) ⊙ Γ_C/Γ + dP^T Q̂ + diag(β) dY ⊙ Γ + diag(β) dA K̂ + (diag(β) dA)^T K̂   (dP, dA through the decay ratios)
-#   dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU
-# T^T (chunked_ut_kernel's T, loaded transposed), W^T, U^T are built transposed, so no value is transposed.
+#   dk̂ ... + diag(β) dY ⊙ Γ + diag(β) dA K̂ + (diag(β) dA)^T K̂   (dP, dA through the decay ratios)
+# (U = U0 - W h_c: dU0 = dU, and W enters nothing else.)
 # The decay gradient, chunk by chunk, per feature (summed over features for scalar decay): with
 # dk̂' the parts of dk̂ through P^T and (diag(β) dA)^T (the keys' columns s), dk̂r through Y and
 # diag(β) dA K̂ (the rows t), dk̂" through dS,
 #   dg_t = sum_{s >= t in chunk} (q̂_s ⊙ dq̂_s - k̂_s ⊙ dk̂'_s + k̂_s ⊙ dk̂r_s) + sum_{s < t in chunk} k̂_s ⊙ dk̂"_s + Γ_C sum_v h_c ⊙ dS
 # Pairs across t add up; pairs inside the chunk cancel; P's pair s = t (decay ratio 1) is kept out
-# of dq̂, dk̂ until the end (dP_tt apart). No sum runs across chunks.
-# Three kernels:
-#   1. the forward's chunked_ut_kernel and chunked_states_kernel (chunked_states): every
-#      chunk-start state h_c, recomputed, and (I + A)^-1 (with W, K̂ ⊙ Γ_C/Γ and U0 for the
-#      state pass).
-#   2. chunked_bwd_delta_kernel, per (value block, sequence x head), chunks in reverse with dS
-#      [BF, BV] in registers (from the final state's gradient): dv, the value block's shares of dq̂,
-#      dk̂, dβ, dP_tt and the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
-#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
-#      the chain rule through scale, the l2 norm and the feature map (recomputed from q, k) -> dq, dk.
-# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32), chunked_states' (I + A)^-1, W, K̂ ⊙ Γ_C/Γ and U0 and the value blocks' shares live only
-# inside this backward, recomputed here from the inputs: a training step's extra memory stays
-# O(T (F + V)) per head, plus this transient O(T F V / chunk).
+# of dq̂, dk̂ until the end (dP_tt apart). No sum runs across chunks (the cumulative log decays
+# restart at each chunk, the last term is the chunk's own): the gate cumsum's backward is the
+# reverse sum inside each chunk, taken chunk-parallel in steps 4 and 5, each over the pairs it
+# holds (P's in 4, A's in 5), so each step's pairs cancel among themselves.
+# Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
+#   1. chunked_states, the forward's: chunked_ut_kernel (chunk-parallel: (I + A)^-1, W, U0, the
+#      decayed keys K̂ ⊙ Γ_C/Γ, Γ_C) and chunked_states_kernel (sequential: h_c, U = U0 - W h_c).
+#   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
+#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂ ⊙ Γ.
+#   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
+#      registers from the final state's gradient, chunks in reverse: stores dS (the chunk-end
+#      state's gradient, per chunk slot) and dU += (K̂ ⊙ Γ_C/Γ) dS, then dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU;
+#      after chunk 0, dS is the initial state's gradient. Three dots per chunk: the critical path is
+#      K̂ dS -> dU -> W^T dU.
+#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      U dS^T, dP and dP^T; -> dq̂, dk̂' of P, dk̂", the decay gradient's P and state terms; the chain rule
+#      through scale, the l2 norm and the feature map -> dq.
+#   5. chunked_bwd_wy_kernel, chunk-parallel per (chunk slot, head): the UT transform's backward,
+#      by value blocks dX = T^T dU (-> dv), dW = -dU h_c^T and dT, then dY, dA -> dβ, dk̂r, dk̂' of
+#      A, the decay gradient's A and Y terms; with step 4's dk̂, the chain rule -> dk.
+# dP^T and dA^T are computed as dots of their own (dP^T = U dO^T, dA^T = -T dT^T T), and T, T^T,
+# h_c, dS, U, dO, dU, K̂ loaded in the layouts the dots take: no value is transposed (tl.trans of a
+# dot's result miscompiles on Hopper with Triton 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the
+# step that applies the chain rule. Steps 4 and 5 are not fused: each holds two [BT, BF] and two
+# [BT, BT] float32 accumulators over its value loop, and each alone already uses all 255 registers
+# (gated_deltanet bf16 at K = V = 128 and 32-token chunks: step 4 spills 1.3 KB; bench/compile_time.py).
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] float32, (I + A)^-1
+# [B, T, H, chunk] float32, W, K̂ ⊙ Γ_C/Γ [B, T, H, F] and U [B, T, H, V] (chunked_pass_dtype), Γ_C; the state
+# gradient per chunk dS [chunk slots, H, F, V] float32; dU [B, T, H, V] and Q̂ ⊙ Γ [B, T, H, F]
+# (chunked_pass_dtype: they only enter dots); step 4's dk̂ [B, T, H, F] and decay gradient [B, T, H] float32.
+# The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
 
 @triton.jit
-def chunked_bwd_delta_kernel(
+def chunked_bwd_du_local_kernel(
     # pointers
-    q, k, v, g, beta, omega, do, dht, h, ai, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
-    dv, dh0, cu_seqlens, chunk_offsets,
+    q, k, g, omega, do, du, qg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(1), tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk slot in the per-chunk buffers (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT, BT] s < t in [t, s]; s <= t in [s, t]
-    m_strict = o_i[:, None] > o_i[None, :]
-    m_causal_t = o_i[:, None] <= o_i[None, :]
-    # this value block's rows of the [NV, B * T * H, *] shares (int64)
-    o_part = i_v.to(tl.int64) * NTOK * H
-
-    # [BF, BV] the state gradient block, from the final state's gradient
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    NT = tl.cdiv(T_seq, BT)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BF, BT] queries and keys transposed by the load; [BT, BF] keys
-        b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_qt = b_qt * tl.rsqrt(tl.sum(b_qt * b_qt, 0) + 1e-06)[None, :]
-        b_qt = b_qt * scale
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        # [BT] (0 on padded tokens)
-        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-        # [BT, BV] and [BV, BT] values and output gradients
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        # [BV, BF] the chunk-start state transposed by the load
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
-        b_G = tl.cumsum(b_g, 0)
-        b_GC = tl.sum(b_g, 0)
-        # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-        b_gam = tl.exp(b_G.to(tl.float32))
-        b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-        b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BT] k̂_t.k̂_s: with the decay ratios it is Ak [t, s] (s < t)
-        b_M = chunked_dot(b_k, b_kt, DOT_PRECISION)
-        # Γ_t/Γ_s: D [t, s] on s < t, D^T [s, t] on s <= t
-        b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
-        b_Dt = tl.exp(tl.where(m_causal_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
-        b_Ak = b_M * b_D
-        b_Pt = chunked_dot(b_k, b_qt, DOT_PRECISION) * b_Dt
-        # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
-        b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
-        # [BF, BT] Y^T = (diag(β) (K̂ ⊙ Γ))^T and W^T = Y^T T^T; [BV, BT] X^T = (diag(β) V)^T and
-        # U^T = X^T T^T - h_c^T W^T: the values the chunk's delta updates write
-        b_yt = b_kt * (b_gam * b_beta)[None, :]
-        b_wt = chunked_dot(b_yt, b_Tt, DOT_PRECISION)
-        b_xt = b_vt * b_beta[None, :]
-        b_ut = chunked_dot(-b_hct, b_wt, DOT_PRECISION, chunked_dot(b_xt, b_Tt, DOT_PRECISION))
-        # [BT, BT] dP = dO U^T; [BT] its diagonal dP_tt, kept apart (see the header)
-        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION)
-        b_dd = tl.sum(b_dot * b_ut, 0)
-        # [BT, BF] dq̂ and [BF, BT] dk̂^T through the chunk-start state and the state gradient
-        b_dq = chunked_dot(b_do, b_hct, DOT_PRECISION)
-        b_dkt_state = chunked_dot(b_dh, b_ut, DOT_PRECISION)
-        # [BF] this value block's share of the decay gradient's chunk term Γ_C sum_v h_c ⊙ dS
-        b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_state, other=0.0)
-        tl.store(dgc_part + ((i_v.to(tl.int64) * NCH + boc + i_c) * H + i_h) * F + o_f, tl.sum(b_hc * b_dh, 1) * b_gam_C, mask=m_f)
-        b_dq = b_dq * b_gam[:, None]
-        b_dkt_state = b_dkt_state * b_gam_rest[None, :]
-        b_k_rest = b_k * b_gam_rest[:, None]
-        # [BT, BV] dU = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-        b_du = chunked_dot(b_k_rest, b_dh, DOT_PRECISION, chunked_dot(b_Pt, b_do, DOT_PRECISION))
-        # through U = T X - T Y h_c: [BT, BF] dW = -dU h_c^T, [BT, BV] dX = T^T dU, [BT, BF] dY = T^T dW,
-        # [BT, BT] dT = dU X^T + dW Y^T and dA = -T^T dT T^T on s < t
-        b_dw = -chunked_dot(b_du, b_hct, DOT_PRECISION)
-        b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
-        b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
-        b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, chunked_dot(b_du, b_xt, DOT_PRECISION))
-        b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
-        # [BT, BV] dv = diag(β) dX
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        # [BT] this value block's share of dβ: through X, Y and A = diag(β) Ak
-        b_dyg = b_dy * b_gam[:, None]
-        b_db = tl.sum(b_dx * b_v, 1) + tl.sum(b_dyg * b_k, 1) + tl.sum(b_dA * b_Ak, 1)
-        tl.store(db_part + o_part + o_tok, b_db, mask=m_t)
-        # [BT, BF] dk̂ through Y, and [BT, BT] the gradient of Ak
-        b_dkr = b_dyg * b_beta[:, None]
-        b_dAk = b_dA * b_beta[:, None]
-        # the pairs s < t of P and Ak: dq̂ += dP K̂, dk̂ += dAk K̂ (rows t), dk̂^T = Q̂^T dP + K̂^T dAk (columns s)
-        b_dP = b_dP * b_D
-        b_dAk = b_dAk * b_D
-        b_dq = chunked_dot(b_dP, b_k, DOT_PRECISION, b_dq)
-        b_dkr = chunked_dot(b_dAk, b_k, DOT_PRECISION, b_dkr)
-        b_dkt = chunked_dot(b_kt, b_dAk, DOT_PRECISION, chunked_dot(b_qt, b_dP, DOT_PRECISION))
-        # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ (columns s of P and Ak; rows t of Y and
-        # Ak; through the state); [NV, B * T * H] dP_tt
-        tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
-        tl.store(dk_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt, mask=m_f[:, None] & m_t[None, :])
-        tl.store(dkr_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dkr, mask=m_t[:, None] & m_f[None, :])
-        tl.store(dki_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt_state, mask=m_f[:, None] & m_t[None, :])
-        tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
-        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
-        b_dh = chunked_dot(-b_wt, b_du, DOT_PRECISION, chunked_dot(b_qt * b_gam[None, :], b_do, DOT_PRECISION, b_dh * b_gam_C))
-
-    if HAS_H0:
-        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
-
-
-@triton.jit
-def chunked_bwd_qk_kernel(
-    # pointers
-    q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # one program per chunk slot of the state buffer and head
+    # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
+    # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
-        # the slot's sequence; the slots past the last chunk map past the last sequence's end (all masked)
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
     else:
@@ -1214,129 +1149,426 @@ def chunked_bwd_qk_kernel(
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+    b_q = b_q * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_qt = b_qt * tl.rsqrt(tl.sum(b_qt * b_qt, 0) + 1e-06)[None, :]
+    b_qt = b_qt * scale
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BF] the queries of the state gradient
+    tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q * b_gam[:, None]).to(qg.dtype.element_ty), mask=m_tf)
+    # [BT, BT] P^T [s, t]
+    b_Pt = chunked_dot(b_k, b_qt, DOT_PRECISION) * tl.exp(tl.where(m_causal_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        # [BT, BV]
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(du + o_tok[:, None] * V + o_v[None, :], chunked_dot(b_Pt, b_do, DOT_PRECISION).to(du.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunked_bwd_states_kernel(
+    # pointers
+    w, kr, qg, gc, do, dht, du, ds, dh0, cu_seqlens, chunk_offsets,
+    # dims
+    T, H: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # step 3, one program per (sequence x head, value block): the state gradient walked back over the
+    # chunks; the loop only loads stored tiles and multiplies
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_f, m_v = o_f < F, o_v < V
+    # [BF, BV] the state gradient block, from the final state's gradient
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
+        o_hc = ((boc + i_c) * H + i_h) * F * V
+        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], b_dh, mask=m_state)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BF] the decayed keys; [BF, BT] the queries of the state gradient and W, transposed by the
+        # load: dot operands as stored
+        b_kr = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        b_qgt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        b_wt = tl.load(w + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
+        # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+        tl.store(du + o_tok[:, None] * V + o_v[None, :], b_du.to(du.dtype.element_ty), mask=m_tv)
+        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
+        b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
+        # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
+        b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C))
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def chunked_bwd_dqk_kernel(
+    # pointers
+    q, k, g, omega, do, u, h, ds, dq, dk_part, dg_part, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # step 4, one program per chunk slot and head: the gradients through the output and the state
+    # gradient -> dq, and step 4's shares of dk̂ and of the decay gradient
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # [BT, BF] dq̂, dk̂ without the pair s = t, [BT] its coefficient dP_tt: the value blocks' shares summed
-    b_dq = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dd = tl.zeros([BT], dtype=tl.float32)
-    # [BT, BF] dk̂ through the state
-    b_dki = tl.zeros([BT, BF], dtype=tl.float32)
-    # [BT, BF] dk̂ through Y and the rows of diag(β) dA K̂
-    b_dkr = tl.zeros([BT, BF], dtype=tl.float32)
-    # [BF] the chunk term of the decay gradient
+    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
+    # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
+    # them: they would hold registers through it)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     b_dgc = tl.zeros([BF], dtype=tl.float32)
-    o_dgc = (i_s.to(tl.int64) * H + i_h) * F + o_f
-    # the [NV, B * T * H, *] shares' rows (int64)
-    o_row = o_tok
-    for i_p in range(0, NV):
-        b_dq += tl.load(dq_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dk += tl.load(dk_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dd += tl.load(dd_part + o_row, mask=m_t, other=0.0)
-        b_dki += tl.load(dki_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dkr += tl.load(dkr_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dgc += tl.load(dgc_part + o_dgc, mask=m_f, other=0.0)
-        o_dgc += NCH * H * F
-        o_row += NTOK * H
-    # [BT, BK] the raw tiles and their features
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        m_vf = m_v[:, None] & m_f[None, :]
+        # [BT, BV] and [BV, BT] the output gradient and U; [BV, BF] h_c and dS transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
+        b_dgc += tl.sum(b_hct * b_dst, 0)
+    # [BT] dP_tt, the pair s = t, kept apart (see the header)
+    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_phi = b_q
     b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 1) + 1e-06)
     b_q_hat = b_q_phi * b_q_rn[:, None]
+    b_qs = b_q_hat * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]
+    b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+    b_Dt = tl.exp(tl.where(m_strict_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
+    # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
+    b_dq = b_dqh * b_gam[:, None]
+    b_dq = chunked_dot(b_dP * b_D, b_k, DOT_PRECISION, b_dq)
+    # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
+    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dk = chunked_dot(b_dPt * b_Dt, b_qs, DOT_PRECISION, b_dk)
+    b_dki = b_uds * b_gam_rest[:, None]
+    # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
+    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
+    b_dgs = tl.sum(b_qs * b_dq - b_k * b_dk, 1).to(tl.float64)
+    b_dgi = tl.sum(b_k * b_dki, 1).to(tl.float64)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(tl.float64)
+    tl.store(dg_part + o_tok, b_dg.to(tl.float32), mask=m_t)
+    # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
+    tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
+    b_dq = (b_dq + b_dd[:, None] * b_k) * scale
+    # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
+    b_dq = b_q_rn[:, None] * (b_dq - b_q_hat * tl.sum(b_q_hat * b_dq, 1)[:, None])
+    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+
+
+@triton.jit
+def chunked_bwd_wy_kernel(
+    # pointers
+    k, v, g, beta, omega, ai, du, h, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
+    # dW = -dU h_c^T -> dv, dβ, dk, dg
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT] (0 on padded tokens)
+    b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+    # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
+    b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
+
+    # by value blocks (the keys, decays and T are loaded after this loop, which does not read them):
+    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T
+    # and dT^T = X dU^T + Y dW^T; [BT, BF] dW = -dU h_c^T, [BF, BT] dW^T
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dwt = tl.zeros([BF, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        # [BT, BV] and [BV, BT] dU and the values; [BF, BV] and [BV, BF] h_c
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_dut = tl.load(du + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dx * b_v, 1)
+        b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
+        b_dTt = chunked_dot(b_v * b_beta[:, None], b_dut, DOT_PRECISION, b_dTt)
+        b_dw = chunked_dot(-b_du, b_hct, DOT_PRECISION, b_dw)
+        b_dwt = chunked_dot(-b_hc, b_dut, DOT_PRECISION, b_dwt)
+    # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
     b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
     b_k_hat = b_k_phi * b_k_rn[:, None]
-    # [BT, BF] q̂ = scale * b_q_hat
-    b_qs = b_q_hat * scale
-
-    # [BT, BF] the decay gradient per feature (float64): reverse sum inside the chunk of
-    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_r = (b_qs * b_dq - b_k_hat * b_dk + b_k_hat * b_dkr).to(tl.float64)
-    b_ri = (b_k_hat * b_dki).to(tl.float64)
-    b_dg = tl.sum(b_r, 0)[None, :] - tl.cumsum(b_r, 0) + b_r + tl.cumsum(b_ri, 0) - b_ri + b_dgc[None, :].to(tl.float64)
-    tl.store(dg + o_tok, tl.sum(b_dg, 1).to(dg.dtype.element_ty), mask=m_t)
-    b_dk += b_dki
-    b_dk += b_dkr
-
-    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale)
-    b_dk += b_dd[:, None] * b_qs
-    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
-    # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
-    b_dq = b_q_rn[:, None] * (b_dq - b_q_hat * tl.sum(b_q_hat * b_dq, 1)[:, None])
+    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BF] K̂ ⊙ Γ and [BF, BT] Y^T, Y = diag(β) (K̂ ⊙ Γ): the Y terms of dT and dT^T
+    b_kg = b_k_hat * b_gam[:, None]
+    b_yt = b_kt * b_gam[None, :] * b_beta[None, :]
+    b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, b_dT)
+    b_dTt = chunked_dot(b_kg * b_beta[:, None], b_dwt, DOT_PRECISION, b_dTt)
+    # [BT, BT] dA = -T^T dT T^T on s < t, in [t, s]; its transpose -T dT^T T in [s, t], T = (I + A)^-1
+    # as chunked_ut_kernel stored its rows
+    b_T = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
+    b_dAt = tl.where(m_strict_t, -chunked_dot(chunked_dot(b_T, b_dTt, DOT_PRECISION), b_T, DOT_PRECISION), 0.0)
+    # [BT, BF] dY = T^T dW
+    b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
+    # [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]
+    b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+    b_Dt = tl.exp(tl.where(m_strict_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
+    # [BT, BT] Ak [t, s]; [BT] dβ through X, Y and A = diag(β) Ak
+    b_Ak = chunked_dot(b_k_hat, b_kt, DOT_PRECISION) * b_D
+    b_db += tl.sum(b_dy * b_kg, 1) + tl.sum(b_dA * b_Ak, 1)
+    tl.store(dbeta + o_tok, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    # [BT, BF] dk̂r = diag(β) dY ⊙ Γ and the pairs s < t of diag(β) dA K̂ (rows t)
+    b_dkr = b_dy * b_gam[:, None] * b_beta[:, None]
+    b_dAk = b_dA * b_beta[:, None]
+    b_dkr = chunked_dot(b_dAk * b_D, b_k_hat, DOT_PRECISION, b_dkr)
+    # [BT, BF] A's dk̂': the pairs s < t of (diag(β) dA)^T K̂ (columns s)
+    b_dka = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dAkt = b_dAt * b_beta[None, :]
+    b_dka = chunked_dot(b_dAkt * b_Dt, b_k_hat, DOT_PRECISION, b_dka)
+    # the decay gradient: A's and Y's terms, the reverse sum inside the chunk of k̂ ⊙ (dk̂r - dk̂'), and step 4's
+    b_dgs = tl.sum(b_k_hat * (b_dkr - b_dka), 1).to(tl.float64)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs
+    b_dg += tl.load(dg_part + o_tok, mask=m_t, other=0.0).to(tl.float64)
+    tl.store(dg + o_tok, b_dg.to(dg.dtype.element_ty), mask=m_t)
+    # [BT, BF] dk̂, with step 4's share -> the gradient of the raw keys
+    b_dk = tl.load(dk_part + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0) + b_dkr + b_dka
     # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
     b_dk = b_k_rn[:, None] * (b_dk - b_k_hat * tl.sum(b_k_hat * b_dk, 1)[:, None])
-    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
-    """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None, launch a ChunkedLaunch ->
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
     chunk = launch.bwd_chunk
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = g.contiguous() if g is not None else None
-    beta = beta.contiguous() if beta is not None else None
+    beta = beta.contiguous()
     initial_state = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
+    B, T, H, K, V, F, _ = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
-    NV = triton.cdiv(V, BV)
-    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
-    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch, output_final_state=False,
-        store_u=False)
+    # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, Γ_C, (I + A)^-1
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
+                        output_final_state=False)
     f32 = dict(device=q.device, dtype=torch.float32)
-    # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
-    # more than the shared memory holds twice at head dim 128
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg)
-    dq_part = torch.empty(NV, B, T, H, F, **f32)
-    dk_part = torch.empty(NV, B, T, H, F, **f32)
-    dd_part = torch.empty(NV, B, T, H, **f32)
-    dki_part = torch.empty(NV, B, T, H, F, **f32)
-    dgc_part = torch.empty(NV, n_chunks, H, F, **f32)
-    dv = torch.empty_like(v)
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    dkr_part = torch.empty(NV, B, T, H, F, **f32)
-    db_part = torch.empty(NV, B, T, H, **f32)
-    chunked_bwd_delta_kernel[(N * H, NV)](
-        q, k, v, g, beta, omega, do, dht, h, ai, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, db_part,
-        dv, dh0, cu_seqlens, chunk_offsets,
-        T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
+    tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
+    meta = dict(BT=chunk, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=launch.bwd_warps, maxnreg=launch.maxnreg)
+    # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
+    # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
+    # fp32 in step 4, 43 KB and 98 KB in step 5, whose fp32 dots stage 98 KB with one stage already)
+    parallel = dict(BK=BK, num_stages=2, **meta)
+    # step 2: the intra-chunk dU (completed in place by step 3) and the queries of the state gradient
+    du, qg = torch.empty(B, T, H, V, **tiles), torch.empty(B, T, H, F, **tiles)
+    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
+        f_scale=F ** -0.5, **parallel,
     )
-    dbeta = db_part.sum(0).to(beta.dtype) if NV > 1 else db_part[0].to(beta.dtype)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    # step 3: the state gradient per chunk, dU, dh0 (its stages from the tiles one chunk loads:
+    # planner.delta_bwd_states_stage_bytes)
+    ds = torch.empty(st.n_slots, H, F, V, **f32)
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else None
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
+        st.w, st.kr, qg, st.gc, do, dht, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, F,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
+    )
+    # step 4: dq; step 4's dk̂ and decay gradient
+    dq = torch.empty_like(q)
+    dk_part = torch.empty(B, T, H, F, **f32)
+    dg_part = torch.empty(g.shape, **f32)
+    chunked_bwd_dqk_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, st.u, st.h, ds, dq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+    )
+    # step 5: the UT transform's backward -> dk, dv, dβ, dg
+    dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g)
-    chunked_bwd_qk_kernel[(n_chunks, H)](
-        q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
-        chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg,
+    chunked_bwd_wy_kernel[(st.n_slots, H)](
+        k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
+        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+            state_indices=None):
     """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
-    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None)."""
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
+    state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
+        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                             state_indices)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
-                       output_final_state)
+                       output_final_state, state_indices)
 
 
 @torch.library.custom_op("attngen::gated_deltanet_8da2b838a7660fad", mutates_args=())
@@ -1357,6 +1589,22 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(v), ht
+
+
+@torch.library.custom_op("attngen::gated_deltanet_8da2b838a7660fad_cached", mutates_args=("state",))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], state: torch.Tensor, slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int],
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): sequence n starts from row slots[n] of state [S, H, F, VS]
+    # float32 and its final state is written back there, in place; inference only (no autograd).
+    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, launch, True, slots)[0]
+
+
+@cached_op.register_fake
+def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
+    return torch.empty_like(v)
 
 
 # ---------------------------------------------------------------------------- the backward

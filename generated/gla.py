@@ -12,6 +12,8 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.gla_972dc5fb8e117e0d (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.gla_972dc5fb8e117e0d_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.gla: the runtime contract with keyword arguments, as `attention`
   below; a second spec named gla in one process keeps only its hashed op (a warning says so).
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
@@ -21,7 +23,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -63,18 +65,19 @@ def phi_grad(x):
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
-# sequences and decode (T = 1 with an initial state): the state is read and written once.
+# sequences and decode (T = 1 with an initial state): the state is read and written once. With
+# STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
 
 @triton.jit
 def recurrent_fwd_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -91,9 +94,17 @@ def recurrent_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -120,24 +131,46 @@ def recurrent_fwd_kernel(
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
+    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
+    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
+    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+    VS = V
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    grid = (N * H, triton.cdiv(V, BV))
+    dims = (H, K, V, F, VS)
+    x_scale, f_scale = K ** -0.25, F ** -0.5
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+
+    def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
+        recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
+                                   T, S, *dims, scale, x_scale, f_scale, **meta)
+
+    return run
+
+
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                  state_indices=None):
+    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
+    sequence n's state is its row state_indices[n], read and written back in place (the final
+    state returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
+    indexed = state_indices is not None
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, BV))
-    recurrent_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-    )
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    S = initial_state.shape[0] if initial_state is not None else N
+    run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
+                           indexed or output_final_state, indexed)
+    run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
 # Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
@@ -510,14 +543,14 @@ def chunked_keys_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets,
+    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_U: tl.constexpr, STORE_HT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_keys_kernel's K ⊙ Γ_C/Γ and Γ_C
@@ -541,9 +574,17 @@ def chunked_states_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -609,7 +650,9 @@ def chunked_output_kernel(
     #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
     # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
     # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
-    # overflows however strong the decay. P is built by offsets d = t - s, one [16, BF] product each.
+    # overflows however strong the decay. P is one dot, (Q ⊙ exp(G)) (K ⊙ exp(-G))^T, where the block's
+    # decay spans at most 40.0 in every feature (planner.DECAY_SPAN); past it, by offsets
+    # d = t - s, one [16, BF] product each.
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
     b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     for i_b in range(0, BT // 16):
@@ -624,27 +667,31 @@ def chunked_output_kernel(
         b_q = b_q * scale
         b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-        # [16, 16] P: the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
-        b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        b_W = tl.zeros([16, BF], dtype=tl.float64)
-        for d in range(1, 16):
-            m_d = m_t & (o_j >= d)
-            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
-        # [16, BF] the queries read H through exp(G), G from the log decays (0 on padded tokens) in float64
+        # [16, BF] G, from the log decays (0 on padded tokens) in float64; the queries read H through exp(G)
         b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
-        # [16, BV] the values the block writes
-        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
-        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        # H at the next block's start: [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16]
-        # log decays, [BF] G_B
+        # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
         b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
 
         b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
         b_GB = tl.sum(b_gt, 1)
+        # [16, 16] P: the decayed causal scores q_t . diag(exp(G_t - G_s)) k_s (s <= t)
+        if tl.min(b_GB, 0) >= -40.0:
+            b_P = tl.where(o_j[:, None] >= o_j[None, :], chunked_dot(b_qg, b_kt * tl.exp(-tl.cumsum(b_gt, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+        else:
+            # the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+            b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+            b_W = tl.zeros([16, BF], dtype=tl.float64)
+            for d in range(1, 16):
+                m_d = m_t & (o_j >= d)
+                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+        # [16, BV] the values the block writes
+        b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        # H at the next block's start
         b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
         b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
 
@@ -687,8 +734,8 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV warps stages maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_stages"  # bwd
+    "chunk BV prepare_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "bwd_chunk bwd_warps bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -723,55 +770,75 @@ def chunked_pass_dtype(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+class ChunkedStates(NamedTuple):
+    """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
+    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
+    kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
+    gc: Optional[torch.Tensor]              # [slots, H, F] float32: Γ_C, the decay over each chunk
+    w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
+    u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
+    ai: Optional[torch.Tensor]              # [B, T, H, chunk] float32: the rows of (I + A)^-1
+    chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
+    chunk_seq: Optional[torch.Tensor]
+    n_slots: int
+
+
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   store_u):
-    """The keys (chunked_keys_kernel) and the sequential pass: ->
-    (h [slots, H, F, VS] float32 chunk-start states, u [B, T, H, V] written values or None,
-    final state or None, (I + A)^-1 rows [B, T, H, chunk] float32 or None, chunk_offsets, chunk_seq,
-    n_slots). Shared by the forward and the backward, each at its own chunk and stages."""
+                   state_indices=None):
+    """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
+    Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
+    the prepare and state steps' warps and value blocks); kr is in chunked_pass_dtype.
+    With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
+    state_indices[n] holds sequence n's state, read and written back in place (the final state
+    returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                DOT_PRECISION=chunked_dot_precision(q.dtype))
+    meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     ai = w = u = None
     # the keys K ⊙ Γ_C/Γ; Γ_C per chunk slot
     kr = torch.empty(B, T, H, F, device=q.device, dtype=chunked_pass_dtype(q.dtype))
     gc = torch.empty(n_slots, H, F, **f32)
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.warps, maxnreg=launch.maxnreg,
+        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
     h = torch.empty(n_slots, H, F, VS, **f32)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets,
-        T, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_U=store_u, STORE_HT=output_final_state,
-        num_warps=launch.warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
+    indexed = state_indices is not None
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
+        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+        T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
+        HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
+        BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
     )
-    return h, u if store_u else None, ht, ai, chunk_offsets, chunk_seq, n_slots
+    return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
-def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state):
+def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
+                state_indices=None):
     """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, launch a ChunkedLaunch
-    -> o like v, final state [N, H, F, VS] float32 (or None)."""
+    -> o like v, final state [N, H, F, VS] float32 (or None; the cache, with state_indices: see
+    chunked_states)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
-    BK, BF, BV = chunked_blocks(K, F, launch)
-    chunk = launch.chunk
-    h, u, ht, _, chunk_offsets, chunk_seq, n_slots = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch, output_final_state,
-        store_u=False)
+    BK, BF, _ = chunked_blocks(K, F, launch)
+    BV, chunk = launch.output_BV, launch.chunk
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
+                        output_final_state, state_indices=state_indices)
     o = torch.empty_like(v)
-    chunked_output_kernel[(n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, u, h, o, None, None, None, cu_seqlens, chunk_offsets, chunk_seq,
+    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.warps, maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
-    return o, ht
+    return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
 # [v]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
@@ -984,7 +1051,7 @@ def chunked_bwd_kernel(
 @triton.jit
 def chunked_bwd_qk_kernel(
     # pointers
-    q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1077,10 +1144,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
     NV = triton.cdiv(V, BV)
-    # kernel 1: the forward's UT transform and sequential pass, for the chunk-start states
-    h, _, _, ai, chunk_offsets, chunk_seq, n_chunks = chunked_states(
-        q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch, output_final_state=False,
-        store_u=False)
+    # kernel 1: the forward's sequential pass, for the chunk-start states
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
+                        output_final_state=False)
+    h, chunk_offsets, chunk_seq, n_chunks = st.h, st.chunk_offsets, st.chunk_seq, st.n_slots
     f32 = dict(device=q.device, dtype=torch.float32)
     norm = None
     # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
@@ -1096,7 +1163,6 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgc_part = torch.empty(NV, n_chunks, H, F, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    dkr_part = dbeta = None
     chunked_bwd_kernel[(N * H, NV)](
         q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
         cu_seqlens, chunk_offsets,
@@ -1105,27 +1171,31 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     chunked_bwd_qk_kernel[(n_chunks, H)](
-        q, k, omega, dq_part, dk_part, dkr_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
+        q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
         chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg,
     )
-    return dq, dk, dv, dg, dbeta, None, dh0, None
+    return dq, dk, dv, dg, None, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+            state_indices=None):
     """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
-    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None)."""
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
+    state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
+        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                             state_indices)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
-                       output_final_state)
+                       output_final_state, state_indices)
 
 
 @torch.library.custom_op("attngen::gla_972dc5fb8e117e0d", mutates_args=())
@@ -1146,6 +1216,22 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(v), ht
+
+
+@torch.library.custom_op("attngen::gla_972dc5fb8e117e0d_cached", mutates_args=("state",))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], state: torch.Tensor, slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int],
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): sequence n starts from row slots[n] of state [S, H, F, VS]
+    # float32 and its final state is written back there, in place; inference only (no autograd).
+    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, launch, True, slots)[0]
+
+
+@cached_op.register_fake
+def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
+    return torch.empty_like(v)
 
 
 # ---------------------------------------------------------------------------- the backward

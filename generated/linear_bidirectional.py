@@ -20,7 +20,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -53,18 +53,19 @@ def phi_grad(x):
 # ---------------------------------------------------------------------------- recurrent form
 # The token loop: one program per (value block, sequence x head) keeps the state block
 # [F, BV] in registers, reads each token once and writes its output. Serves short
-# sequences and decode (T = 1 with an initial state): the state is read and written once.
+# sequences and decode (T = 1 with an initial state): the state is read and written once. With
+# STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
 
 @triton.jit
 def recurrent_fwd_kernel(
     # pointers
-    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens,
+    q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -81,9 +82,17 @@ def recurrent_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
+    # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
+    # masks take it through tl.where (Triton's interpreter rejects a scalar mask & a block mask)
+    if STATE_INDEXED:
+        i_row = tl.load(state_indices + i_n).to(tl.int64)
+    else:
+        i_row = i_n.to(tl.int64)
+    m_row_ok = (i_row >= 0) & (i_row < S)
+    # [BF, BV] state block; offsets into the [N, H, F, VS] state (or the cache's [S, H, F, VS])
+    o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
@@ -107,24 +116,46 @@ def recurrent_fwd_kernel(
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
+    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
+    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
+    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+    VS = V
+    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BV = min(triton.next_power_of_2(V), 32)
+    grid = (N * H, triton.cdiv(V, BV))
+    dims = (H, K, V, F, VS)
+    x_scale, f_scale = K ** -0.25, F ** -0.5
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+
+    def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
+        recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
+                                   T, S, *dims, scale, x_scale, f_scale, **meta)
+
+    return run
+
+
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                  state_indices=None):
+    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
+    sequence n's state is its row state_indices[n], read and written back in place (the final
+    state returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
+    indexed = state_indices is not None
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, BV))
-    recurrent_fwd_kernel[grid](
-        q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-    )
+    if indexed:
+        ht = initial_state
+    else:
+        ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
+    S = initial_state.shape[0] if initial_state is not None else N
+    run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
+                           indexed or output_final_state, indexed)
+    run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
 # Gradients of the token loop. G_t = dL/dS_t (S_t the state after token t, [F, V]),
@@ -447,16 +478,20 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and bidirectional (state, then readout).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+            state_indices=None):
     """Run the kernels of one form (launch: [], these kernels take no launch knobs). Returns
-    (o [B, T, H, V], final state [N, H, F, Vs] or None)."""
+    (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
+    state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state)
+        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                             state_indices)
     return bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state)
 
 

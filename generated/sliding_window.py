@@ -12,8 +12,11 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.sliding_window_35bf553ab63166fa (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.sliding_window_35bf553ab63166fa_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.sliding_window: the runtime contract with keyword arguments, as `attention`
   below; a second spec named sliding_window in one process keeps only its hashed op (a warning says so).
+  Called with the keyword return_lse, it runs its overload .lse: (o, lse), lse empty for False.
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
 import collections
@@ -21,7 +24,7 @@ import functools
 import os
 import sys
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -49,8 +52,12 @@ def interpreted():
 # Tile skipping: the loop bounds come from the mask (sliding_window, window 1024); key tiles no query of the
 # block may see are never loaded, tiles every query sees in full run unmasked, and only the
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
+# KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
+# a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
+# this call's own appended first by kv_append_kernel.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
-# (natural log, float32) for the backward.
+# (natural log; float32, float64 for float64 inputs), for the backward and for callers that
+# merge attention outputs (return_lse).
 
 @triton.jit
 def softmax_fwd_tiles(
@@ -59,11 +66,11 @@ def softmax_fwd_tiles(
     # pointers
     k, v,
     # dims
-    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
+    k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale, L,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     """Fold the key tiles starting in [lo, hi) into the online softmax of one query block.
     MASKED tiles straddle a mask edge or the end of the keys; the others are allowed in full."""
@@ -73,8 +80,12 @@ def softmax_fwd_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of the keys and values (HK heads: query head i_h reads key head i_hk)
-        i_tok = (k_bos + o_n) * HK + i_hk
+        # rows of the keys and values (HK heads: query head i_h reads key head i_hk); a cache's
+        # position p at row p % L of the slot
+        if KV_CACHE:
+            i_tok = (k_bos + o_n % L) * HK + i_hk
+        else:
+            i_tok = (k_bos + o_n) * HK + i_hk
         # [BK, BN] keys, loaded transposed
         b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BN, BV]
@@ -100,14 +111,14 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, o, lse, cu_seqlens,
+    q, k, v, o, lse, cu_seqlens, kv_slots, kv_lens,
     # dims
-    Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr,
 ):
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
@@ -137,6 +148,15 @@ def softmax_fwd_kernel(
         Tk_seq = Tk
         # lse is [B, H, Tq]
         o_lse = (i_n.to(tl.int64) * H + i_h) * Tq
+    if KV_CACHE:
+        # k and v are a cache [S, L, HK, *]: this sequence's keys are the kv_lens[slot] positions of
+        # its slot kv_slots[i_n], the queries the last Tq_seq of them; a slot outside [0, S) (a
+        # padding entry) has nothing to do
+        i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+        if (i_slot < 0) | (i_slot >= S):
+            return
+        k_bos = i_slot * L
+        Tk_seq = tl.load(kv_lens + i_slot).to(tl.int32)
     # the grid covers the longest sequence: blocks past this one's end have nothing to do
     if i_m * BM >= Tq_seq:
         return
@@ -164,8 +184,11 @@ def softmax_fwd_kernel(
     i_edge = tl.maximum((p_lo + 1) // BN * BN, i_full)
     hi = p_hi + 1
     if SPLIT:
-        # the same ranges, cut to this program's keys (split_len is a multiple of BN)
+        # the same ranges, cut to this program's keys (split_len is a multiple of BN); a cache's
+        # splits start at the first key tile (a ring's positions run past its L rows)
         s_lo = i_split * split_len
+        if KV_CACHE:
+            s_lo += lo
         s_hi = s_lo + split_len
         lo = tl.minimum(tl.maximum(lo, s_lo), s_hi)
         i_full = tl.minimum(tl.maximum(i_full, s_lo), s_hi)
@@ -178,13 +201,13 @@ def softmax_fwd_kernel(
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, lo, i_full, qk_scale,
-        H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
-        H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, KV_CACHE)
     b_acc, b_l, b_m = softmax_fwd_tiles(
         b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
-        H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE)
 
     # every real query sees at least its own key; padding rows may have seen none, and so may
     # a real query in a split of keys it does not reach (lse -inf there: the merge weighs it 0)
@@ -241,6 +264,11 @@ def _pow2_floor(n):
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+def softmax_lse_dtype(dtype):
+    """The lse's dtype for inputs of `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def packed_max_len(cu_seqlens, max_len):
     """The longest packed sequence: max_len when the caller knows it, else read back from
     cu_seqlens (a device sync)."""
@@ -272,12 +300,15 @@ def softmax_kv_split_len(Tk, splits, BN):
     return triton.cdiv(Tk, split_len), split_len
 
 
-def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch):
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, kv_lens=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with
     cu_seqlens, or None: read from it; launch a SoftmaxLaunch)
-    -> o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, total] with cu_seqlens), the
-    natural-log log-sum-exp of each query's scores."""
+    -> o [B, Tq, H, V] and lse [B, H, Tq] ([H, total] with cu_seqlens), the natural-log
+    log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
+    the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
+    kv_lens [S], k and v are a cache [S, L, HK, *] whose slot kv_slots[n] holds sequence n's
+    kv_lens[slot] keys (KV_CACHE)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -295,21 +326,25 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch):
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
     BM, BN = launch.BM, launch.BN
     o = v.new_empty(B, Tq, H, V)
-    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
+    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
+    # the keys a query block reads: Tk; from a cache of L = Tk rows per slot, at most L + BN - 1 (a
+    # sliding window's first tile starts up to BN - 1 keys before the window)
+    span = Tk + BN if kv_slots is not None else Tk
     # the split forward reads dense sequences: packed ones are not split
-    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_split_len(Tk, launch.kv_splits, BN)
+    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_split_len(span, launch.kv_splits, BN)
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = triton.cdiv(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
-        q, k, v, o_run, lse_run, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
+        q, k, v, o_run, lse_run, cu_seqlens, kv_slots, kv_lens,
+        Tq, Tk, k.shape[0], Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        LAST_FIRST=bool(launch.last_first), num_warps=launch.warps, num_stages=launch.stages,
+        LAST_FIRST=bool(launch.last_first), KV_CACHE=kv_slots is not None, num_warps=launch.warps,
+        num_stages=launch.stages,
     )
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
@@ -317,40 +352,101 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch):
             BS=max(2, triton.next_power_of_2(splits)), BV=BV, num_warps=4,
         )
     return o, lse
+
+
+@triton.jit
+def kv_append_kernel(
+    # pointers
+    k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens,
+    # dims
+    T, S, L, KC: tl.constexpr, VC: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One program per sequence: its new keys and values (a token's HK heads, KC = HK * K and
+    VC = HK * V elements) written to its slot of the cache at rows (length + t) % L, then the slot's
+    length advanced. One program per slot reads and writes its length: no other program races it."""
+    i_n = tl.program_id(0)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+    # a slot outside [0, S) (padding) stores nothing
+    if (i_slot >= 0) & (i_slot < S):
+        b_len = tl.load(kv_lens + i_slot).to(tl.int64)
+        o_kc = tl.arange(0, BKC)
+        o_vc = tl.arange(0, BVC)
+        for i_t in range(0, T_seq, BT):
+            o_t = i_t + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            # [BT] the tokens' rows in the input and in the slot
+            o_src = bos + o_t
+            o_dst = i_slot * L + (b_len + o_t) % L
+            # [BT, BKC], [BT, BVC]
+            m_k = m_t[:, None] & (o_kc < KC)[None, :]
+            tl.store(k_cache + o_dst[:, None] * KC + o_kc[None, :],
+                     tl.load(k + o_src[:, None] * KC + o_kc[None, :], mask=m_k, other=0.0), mask=m_k)
+            m_v = m_t[:, None] & (o_vc < VC)[None, :]
+            tl.store(v_cache + o_dst[:, None] * VC + o_vc[None, :],
+                     tl.load(v + o_src[:, None] * VC + o_vc[None, :], mask=m_v, other=0.0), mask=m_v)
+        tl.store(kv_lens + i_slot, (b_len + T_seq).to(kv_lens.dtype.element_ty))
+
+
+def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """A serving call: the new keys and values k, v [B, T, HK, *] (T == Tq) appended to each
+    sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
+    advanced by each sequence's length), then its queries attend to the slot's keys (launch a
+    SoftmaxLaunch) -> o, lse."""
+    B, T, HK, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    KC, VC = HK * K, HK * V
+    BKC, BVC = triton.next_power_of_2(KC), triton.next_power_of_2(VC)
+    # [BT, BKC] tiles of at most 8192 elements
+    BT = max(1, min(64, 8192 // max(BKC, BVC)))
+    kv_append_kernel[(N,)](
+        k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, k_cache.shape[0], k_cache.shape[1], KC, VC,
+        BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+    )
+    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, launch, kv_slots, kv_lens)
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
-#   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) per query, and the forward's lse
-#      in log2 units, into O(T) buffers.
+#   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
+#      lse in log2 units, into O(T) buffers.
 #   2. softmax_bwd_dq_kernel: one program per (query block, sequence x head) streams the key
 #      tiles the mask lets it see (the forward's loop bounds) and accumulates dq.
 #   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x key head) streams the query
 #      tiles that can see its keys, for each query head that reads them (grouped-query attention:
 #      H // HK query heads per key head), and accumulates dk and dv.
 # Both recompute P = exp2(s - lse) from q, k and the forward's lse (no T x T buffer) and form
-# dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores.
+# dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores. A loss on
+# the lse too (return_lse) adds dlse_i P_ij to dS_ij (d lse_i / d s_ij = P_ij): delta carries it,
+# rowsum(o * do) - dlse, so the kernels below are the same with and without it.
 # Tile skipping mirrors the forward (sliding_window, window 1024): tiles no pair of which is allowed are never
 # loaded, tiles allowed in full run unmasked, tiles on a mask edge are masked elementwise.
 # Padding queries (past a sequence's end) read lse = +inf, so their P is exactly 0 and they add
 # nothing to dk, dv; padding keys are masked in the dq loop and never stored by the dkdv program.
 # Transposed operands are loaded transposed from memory, or tl.trans'd as loaded values: never a
 # tl.trans of a tl.dot result feeding another tl.dot (miscompiled on Hopper by Triton 3.4-3.7).
-# float64 inputs: the forward's lse is float32, too coarse for float64 gradients. The dq program
-# sees whole rows, so it also sums c = rowsum(exp2(s - lse2)) (1 up to that rounding), divides
-# its row results by c, and stores lse2 + log2(c) for the dkdv kernel, which therefore runs after.
+# float64 inputs: the forward's lse is float64, and so are delta and lse2.
 # Glossary: BM queries, BN keys per program block or inner tile (dq: a block of BM queries,
-# tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do);
+# tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do) - dlse;
 # lse2 = lse in log2 units (scores are in log2 units: log2(e) folded into the scale).
 
 @triton.jit
 def softmax_bwd_preprocess_kernel(
     # pointers
-    o, do, lse, delta, lse2,
+    o, do, lse, dlse, delta, lse2,
     # dims
     Tq, H: tl.constexpr, V: tl.constexpr,
     # meta
-    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """delta = rowsum(o * do) and lse2 = lse * log2(e), both [B, H, Tq] ([H, T] packed: B = 1)."""
+    """delta = rowsum(o * do) - dlse (HAS_DLSE: a gradient reached the lse) and lse2 = lse * log2(e),
+    all [B, H, Tq] ([H, T] packed: B = 1)."""
     i_bh, i_t = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     ACC = tl.float64 if IS_FP64 else tl.float32
@@ -362,7 +458,11 @@ def softmax_bwd_preprocess_kernel(
     b_o = tl.load(o + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
     b_do = tl.load(do + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
     i_row = (i_b.to(tl.int64) * H + i_h) * Tq + o_t
-    tl.store(delta + i_row, tl.sum(b_o * b_do, 1), mask=m_t)
+    # [BT]
+    b_delta = tl.sum(b_o * b_do, 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(dlse + i_row, mask=m_t, other=0.0).to(ACC)
+    tl.store(delta + i_row, b_delta, mask=m_t)
     b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
     tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)
 
@@ -370,7 +470,7 @@ def softmax_bwd_preprocess_kernel(
 @triton.jit
 def softmax_bwd_dq_tiles(
     # carried
-    b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos,
+    b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos,
     # pointers
     k, v,
     # dims
@@ -378,10 +478,10 @@ def softmax_bwd_dq_tiles(
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    IS_FP64: tl.constexpr, DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS, and of P for
-    float64) of one query block. MASKED tiles straddle a mask edge or the end of the keys."""
+    """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS) of one query
+    block. MASKED tiles straddle a mask edge or the end of the keys."""
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -406,9 +506,7 @@ def softmax_bwd_dq_tiles(
         b_ds = b_p * (b_dp - b_delta[:, None])
         # [BM, BK]
         b_dq += tl.dot(b_ds.to(DOT), tl.trans(b_kt), input_precision=DOT_PRECISION)
-        if IS_FP64:
-            b_c += tl.sum(b_p, 1)
-    return b_dq, b_dgq, b_c
+    return b_dq, b_dgq
 
 
 @triton.jit
@@ -472,26 +570,19 @@ def softmax_bwd_dq_kernel(
     i_edge = tl.maximum((p_lo + 1) // BN * BN, i_full)
     hi = p_hi + 1
 
-    # [BM, BK] dq; [BM] row sums of dS (the decay bias) and of P (float64: lse refinement)
+    # [BM, BK] dq; [BM] row sums of dS (the decay bias)
     b_dq = tl.zeros([BM, BK], dtype=ACC)
     b_dgq = tl.zeros([BM], dtype=ACC)
-    b_c = tl.zeros([BM], dtype=ACC)
-    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, lo, i_full, qk_scale, H, HK, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
-    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, IS_FP64, DOT, DOT_PRECISION)
-    b_dq, b_dgq, b_c = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_c, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, IS_FP64, DOT, DOT_PRECISION)
+    b_dq, b_dgq = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_hk, lo, i_full, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+    b_dq, b_dgq = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+    b_dq, b_dgq = softmax_bwd_dq_tiles(
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
+        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
 
-    if IS_FP64:
-        # P was exp2(s - lse2) with a float32 lse: renormalize the rows, and store the exact lse2
-        b_c = tl.where(m_m, b_c, 1.0)
-        b_dq = b_dq / b_c[:, None]
-        b_dgq = b_dgq / b_c
-        tl.store(lse2 + o_lse + o_m, b_lse2 + tl.log2(b_c), mask=m_m)
     b_dq = b_dq * ds_scale
     tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & m_k[None, :])
 
@@ -625,10 +716,11 @@ def softmax_bwd_dkdv_kernel(
     tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
 
-def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do):
+def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
     """Launch the backward (launch a SoftmaxLaunch). q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V]
     (HK dividing H), g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's
-    float32 [B, H, Tq] ([H, total] packed) -> dq, dk, dv, dg (None without decay)."""
+    [B, H, Tq] ([H, total] packed) and dlse its gradient (contiguous, or None) -> dq, dk, dv, dg (None
+    without decay)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -652,7 +744,8 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     lse2 = q.new_empty(lse.shape, dtype=acc)
     BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
     softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
-        o, do, lse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, num_warps=4)
+        o, do, lse, dlse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, HAS_DLSE=dlse is not None,
+        num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN = launch.dq_BM, launch.dq_BN
@@ -665,7 +758,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
         num_warps=launch.dq_warps, num_stages=launch.dq_stages,
     )
 
-    # 3. dk, dv: key blocks of BN, query tiles of BM (after 2: float64 reads the refined lse2)
+    # 3. dk, dv: key blocks of BN, query tiles of BM
     BN, BM = launch.dkdv_BN, launch.dkdv_BM
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN) * N * HK,)](
@@ -691,14 +784,15 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
 def softmax_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
     cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor,
-    lse: torch.Tensor, do: torch.Tensor,
+    lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do)
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
+                                        dlse)
     return dq, dk, dv, dg if dg is not None else q.new_empty(0)
 
 
 @softmax_bwd_op.register_fake
-def _(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do):
+def _(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
         torch.empty_like(g) if g is not None else q.new_empty(0)
 
@@ -706,25 +800,27 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do):
 SOFTMAX_BACKWARD = ("parallel",)
 
 
-def softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do):
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse=None):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
     decay, None for cu_seqlens). max_len the longest packed sequence (read from cu_seqlens when
-    None); launch the op's launch ints (SoftmaxLaunch); lse is the forward's float32 [B, H, Tq]
-    ([H, total] packed)."""
+    None); launch the op's launch ints (SoftmaxLaunch); lse is the forward's [B, H, Tq] ([H, total]
+    packed), dlse the gradient of a loss on it (None: none)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, list(launch), o, lse, do)
+    dlse = dlse.contiguous() if dlse is not None else None
+    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, list(launch), o, lse, do, dlse)
     return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel form: parallel (the FlashAttention-2 forward above). The op returns the output and
-# the log-sum-exp of each query's scores, which a backward reuses.
+# the log-sum-exp of each query's scores, which the backward reuses and differentiates
+# (return_lse hands it to the caller).
 
 def forward(q, k, v, g, cu_seqlens, scale, max_len, launch):
     """Run the forward kernel (max_len: the longest packed sequence, with cu_seqlens; launch: the
     launch knobs, SoftmaxLaunch's ints). Returns
-    o [B, Tq, H, V] and lse float32 [B, H, Tq] ([H, T] packed)."""
+    o [B, Tq, H, V] and lse [B, H, Tq] ([H, T] packed; float32, float64 for float64 inputs)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
@@ -742,8 +838,33 @@ def op(
 @op.register_fake
 def _(q, k, v, g, cu_seqlens, scale, max_len, launch):
     B, Tq, H, _ = q.shape
-    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=torch.float32)
+    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
+
+
+@torch.library.custom_op("attngen::sliding_window_35bf553ab63166fa_cached",
+                         mutates_args=("k_cache", "v_cache", "kv_lens"))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    kv_lens: torch.Tensor, kv_slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
+    launch: list[int],
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): each sequence's new keys and values appended to its slot
+    # kv_slots[n] of the cache, in place, and its queries attending to the slot; no autograd.
+    return cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch)
+
+
+@cached_op.register_fake
+def _(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """The serving call's kernels (softmax_cached_fwd; launch the op's launch ints) -> o [B, Tq, H, V]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    return softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                              softmax_launch(launch))[0]
 
 
 # ---------------------------------------------------------------------------- the backward
@@ -751,8 +872,9 @@ BACKWARD_FORMS = SOFTMAX_BACKWARD
 
 
 def backward(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
-    """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order."""
-    return softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do)
+    """Gradients of one call, of a loss on o and on lse: (dq, dk, dv, dg, None) in the op's
+    input order."""
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -803,16 +925,29 @@ torch.library.register_autograd(op, _backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------- the contract
-def attention(q, k, v, g=None, scale=None, cu_seqlens=None):
-    """The runtime contract (DESIGN.md §2) on these kernels: o [B, Tq, H, V]. attngen's runtime
-    (runtime_op) checks the inputs, fills the defaults and chooses the form, as attngen.load(SPEC)
-    does."""
-    return runtime_op().kernels(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens)
+def attention(q, k, v, g=None, scale=None, cu_seqlens=None, return_lse=False):
+    """The runtime contract (DESIGN.md §2) on these kernels: o [B, Tq, H, V], or (o, lse [B, Tq, H])
+    with return_lse. attngen's runtime (runtime_op) checks the inputs, fills the defaults and
+    chooses the form, as attngen.load(SPEC) does."""
+    return runtime_op().kernels(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, return_lse=return_lse)
 
 
-_contract = attention
+def _contract(q, k, v, g=None, scale=None, cu_seqlens=None):
+    return attention(q, k, v, g, scale, cu_seqlens)
+
+
+def _contract_lse(q, k, v, g=None, scale=None, cu_seqlens=None, *, return_lse):
+    # an op's outputs are fixed by its schema: (o, lse) whenever return_lse is passed, lse empty for False
+    o, lse = attention(q, k, v, g, scale, cu_seqlens, return_lse=True)
+    return o, lse if return_lse else lse.new_empty(0)
+
+
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, float? scale=None, "
                    "Tensor? cu_seqlens=None) -> Tensor")
+# torch.ops.attngen.<name>(..., return_lse=...): the dispatcher picks the overload whose schema
+# has the keyword
+CONTRACT_LSE_SCHEMA = (f"{SPEC_NAME}.lse(Tensor q, Tensor k, Tensor v, Tensor? g=None, float? scale=None, "
+                       "Tensor? cu_seqlens=None, *, bool return_lse) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops
@@ -829,6 +964,8 @@ if _OWNER is None:
     CONTRACT_LIBRARY = torch.library.Library("attngen", "FRAGMENT")
     CONTRACT_LIBRARY.define(CONTRACT_SCHEMA)
     CONTRACT_LIBRARY.impl(SPEC_NAME, _contract, "CompositeImplicitAutograd")
+    CONTRACT_LIBRARY.define(CONTRACT_LSE_SCHEMA)
+    CONTRACT_LIBRARY.impl(f"{SPEC_NAME}.lse", _contract_lse, "CompositeImplicitAutograd")
 else:
     CONTRACT_LIBRARY = None
     warnings.warn(f"attngen: torch.ops.attngen.{SPEC_NAME} is the op of spec hash {_OWNER.SPEC_HASH}; this module "

@@ -8,13 +8,14 @@ from hypothesis import HealthCheck, given, settings
 from attngen import __version__, codegen, load_spec, planner
 from attngen.cli import main
 
+from specs import shipped, stem
 from strategies import legal_specs
 
 ROOT = Path(__file__).resolve().parent.parent
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+SPECS = shipped()
 
 
-@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+@pytest.mark.parametrize("path", SPECS, ids=stem)
 def test_committed_module_is_a_fresh_compile(path):
     spec = load_spec(path)
     committed = ROOT / "generated" / f"{spec.name}.py"
@@ -29,7 +30,7 @@ def test_generated_has_no_stale_files():
     assert not stale, f"generated/ holds modules of no shipped spec: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+@pytest.mark.parametrize("path", SPECS, ids=stem)
 def test_provenance_header(path):
     spec = load_spec(path)
     source = codegen.render(spec)

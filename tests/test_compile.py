@@ -4,18 +4,18 @@ again with the same shapes (issue: 'Inline attempt with __self__' from the plan'
 sympy run inside the call)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import attngen
 from attngen.testing import Shape, random_inputs
 
-SPECS = sorted((Path(__file__).resolve().parents[1] / "specs").glob("*.yaml"))
+from specs import shipped, stem
+
+SPECS = shipped()
 
 
-@pytest.mark.parametrize("path", SPECS, ids=[p.stem for p in SPECS])
+@pytest.mark.parametrize("path", SPECS, ids=stem)
 def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
     torch._dynamo.reset()  # every spec's step is the same code object: start its cache afresh
@@ -42,4 +42,38 @@ def test_fullgraph_on_the_pytorch_forms(path, monkeypatch):
         assert torch.allclose(o, eager, rtol=1e-5, atol=1e-6)
         assert all(t.grad is not None and torch.isfinite(t.grad).all()
                    for t in leaves.values() if isinstance(t, torch.Tensor) and t.requires_grad)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
+
+
+SOFTMAX_SPECS = shipped("softmax")
+
+
+@pytest.mark.parametrize("path", SOFTMAX_SPECS, ids=stem)
+def test_fullgraph_return_lse(path, monkeypatch):
+    """return_lse traces too, on the PyTorch forms (the kernels': test_kernels_softmax_bwd.py), with
+    a loss on o and on the lse; one graph for two calls."""
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    torch._dynamo.reset()
+    op = attngen.load(path)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, k_len=29, heads=2, head_dim=8, value_dim=8),
+                           dtype=torch.float32)
+    inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(**kw):
+        o, lse = op(**kw, return_lse=True)
+        return o.sum() + lse.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager_leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items()}
+    step(**eager_leaves).backward()
+    for _ in range(2):
+        leaves = {n: t.detach().requires_grad_(True) for n, t in inputs.items()}
+        compiled(**leaves).backward()
+        for n, t in leaves.items():
+            assert torch.allclose(t.grad, eager_leaves[n].grad, rtol=1e-5, atol=1e-6), n
     assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"

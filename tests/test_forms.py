@@ -109,3 +109,19 @@ def test_variants_cover_every_form():
     assert {f for f, _ in variants(op)} == {"recurrent", "parallel", "chunked"}
     assert [c for f, c in variants(op) if f == "chunked"] == list(CHUNK_SIZES)
     assert {f for f, _ in variants(attngen.load("specs/softmax_causal.yaml"))} == {"parallel"}
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(spec=legal_specs("softmax"), data=st.data())
+def test_softmax_lse_matches_interpreter(spec, data):
+    """return_lse on the PyTorch forms: each query's log-sum-exp [B, Tq, H] and the gradients of
+    a loss on o and on it against the interpreter, float64 to 1e-9 and float32 to 4x the
+    interpreter's own float32 error."""
+    op = attngen.load(spec)
+    case = data.draw(shapes(op.spec).filter(many_tokens), label="case")
+    inputs = random_inputs(op.spec, case.shape, seed=data.draw(st.integers(0, 2**16), label="seed"))
+    note(f"spec: {op.spec.to_dict()}")
+    for dtype in (torch.float64, torch.float32):
+        rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, lse=True)
+        failures = [f"{dtype} {n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+        assert "lse" in {n for n, _, _ in rows} and not failures, f"{case}:\n" + "\n".join(failures)

@@ -5,7 +5,6 @@ state fully written. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,25 +14,12 @@ from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
+from specs import BIDIRECTIONAL as SPECS
+from specs import SHIPPED
 
-ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
-
-def _spec(name: str, **fields) -> dict:
-    return {"name": name, "attention": "linear", "mask": "bidirectional", **fields}
-
-
-SPECS = {
-    "identity": _spec("bi_identity"),
-    "linear_transformer": _spec("bi_linear_transformer", feature_map="elu_plus_one", normalize="sum"),
-    "relu": _spec("bi_relu", feature_map="relu"),
-    "performer": _spec("bi_performer", feature_map="favor_plus", normalize="sum",
-                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
-    "l2": _spec("bi_l2", qk_norm="l2"),
-    "expr_map": _spec("bi_expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", normalize="sum",
-                      scale=0.5),
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -132,7 +118,7 @@ def test_favor_plus_exponents_at_k256():
     features' relative error. With float32 dots over the 256 products the output erred 2.4e-6
     here (2.75e-6 on the H200), over float32's 2e-6 floor and 6x plain PyTorch's error; the
     float64 exponents keep to PyTorch's."""
-    op = attngen.load(ROOT / "specs" / "performer_bidirectional.yaml")
+    op = attngen.load(SHIPPED["performer_bidirectional"])
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=1, heads=2, head_dim=256, value_dim=256), seed=257)
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.float32, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]

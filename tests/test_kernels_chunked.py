@@ -13,31 +13,13 @@ from attngen import codegen
 from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, tolerance
 from attngen.reference import random_features, reference
 
+import specs
 from strategies import causal_linear, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
-
-def _spec(name: str, **fields) -> dict:
-    return {"name": name, "attention": "linear", "mask": "causal", **fields}
-
-
-# The shipped causal linear specs (performer with 16 features: the interpreter is slow) and an
-# expression feature map.
-SPECS = {
-    "linear_transformer": _spec("linear_transformer", feature_map="elu_plus_one", normalize="sum"),
-    "performer": _spec("performer", feature_map="favor_plus", normalize="sum",
-                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
-    "deltanet": _spec("deltanet", qk_norm="l2", update="delta"),
-    "gated_deltanet": _spec("gated_deltanet", qk_norm="l2", update="delta", decay="scalar"),
-    "mamba2": _spec("mamba2", decay="scalar"),
-    "retnet": _spec("retnet", decay="constant"),
-    "gla": _spec("gla", decay="vector"),
-    "kda": _spec("kda", qk_norm="l2", update="delta", decay="vector"),
-    "expr_map": _spec("expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", decay="scalar",
-                      normalize="sum", scale=0.5),
-}
+SPECS = specs.causal_linear("chunked")
 DECAYED = ("gated_deltanet", "mamba2", "retnet", "gla", "kda")
 
 
@@ -188,7 +170,7 @@ def test_chunk_size_checked():
         bad[fields.index(name)] = value
         with pytest.raises(ValueError, match=f"chunk.*got {value}"):
             module.op(q, k, v, inputs["g"], None, None, None, None, 1.0, "chunked", bad, False)
-    with pytest.raises(ValueError, match="launch: expected 8 ints"):
+    with pytest.raises(ValueError, match=f"launch: expected {len(fields)} ints"):
         module.op(q, k, v, inputs["g"], None, None, None, None, 1.0, "chunked", launch[:-1], False)
     with pytest.raises(ValueError, match="chunk_size: the Triton kernels take 16, 32, 64, got 8"):
         op(q, k, v, inputs["g"], form="chunked", chunk_size=8)

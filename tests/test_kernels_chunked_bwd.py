@@ -15,36 +15,13 @@ from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
+import specs
 from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
-
-def _spec(name: str, **fields) -> dict:
-    return {"name": name, "attention": "linear", "mask": "causal", **fields}
-
-
-# The shipped causal specs (performer with 16 features: the interpreter is slow), plain identity
-# features, an expression map with l2 norm, scalar decay and the sum normalizer, a vector decay
-# with the normalizer and relu features, and the delta rule through FAVOR+.
-SPECS = {
-    "identity": _spec("identity_additive"),
-    "linear_transformer": _spec("linear_transformer", feature_map="elu_plus_one", normalize="sum"),
-    "performer": _spec("performer", feature_map="favor_plus", normalize="sum",
-                       favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
-    "mamba2": _spec("mamba2", decay="scalar"),
-    "retnet": _spec("retnet", decay="constant"),
-    "gla": _spec("gla", decay="vector"),
-    "expr_map": _spec("expr_map", feature_map={"expr": "log(1+exp(x))"}, qk_norm="l2", decay="scalar",
-                      normalize="sum", scale=0.5),
-    "gla_sum": _spec("gla_sum", feature_map="relu", decay="vector", normalize="sum"),
-    "deltanet": _spec("deltanet", qk_norm="l2", update="delta"),
-    "gated_deltanet": _spec("gated_deltanet", qk_norm="l2", update="delta", decay="scalar"),
-    "kda": _spec("kda", qk_norm="l2", update="delta", decay="vector"),
-    "delta_favor": _spec("delta_favor", feature_map="favor_plus", update="delta", decay="scalar",
-                         favor_plus={"features": 16, "orthogonal": True, "seed": 0}),
-}
+SPECS = specs.causal_linear("chunked_bwd")
 
 
 @pytest.fixture
@@ -212,7 +189,7 @@ def test_float64_inputs_run_the_pytorch_forms(kernel_backward):
 def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backward):
     """A delta rule with a constant decay has no generated chunked backward: the module declares
     none, so the runtime differentiates the PyTorch chunked form (and the gradients are right)."""
-    op, calls = kernel_backward(_spec("delta_constant", qk_norm="l2", update="delta", decay="constant"))
+    op, calls = kernel_backward(specs.CAUSAL_LINEAR["delta_constant"])
     module = codegen.load_module(op.spec)
     assert "chunked" not in module.BACKWARD_FORMS
     with pytest.raises(ValueError, match="constant"):

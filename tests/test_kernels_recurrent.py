@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import attngen
 from attngen.testing import Shape, compare, random_inputs, rel_error
 
+import specs
 from strategies import causal_linear, legal_specs
 
 
@@ -27,18 +28,13 @@ def test_recurrent_kernel_matches_interpreter(spec_dict, shape, dtype, initial_s
         assert err <= tol, f"{name}: rel err {err:.2e} > tol {tol:.2e}"
 
 
-CASES = [
-    dict(name="k_gdn", attention="linear", update="delta", decay="scalar", qk_norm="l2"),
-    dict(name="k_kda", attention="linear", update="delta", decay="vector", qk_norm="l2"),
-    dict(name="k_lt", attention="linear", feature_map="elu_plus_one", normalize="sum", decay="constant"),
-    dict(name="k_perf", attention="linear", feature_map="favor_plus", favor_plus={"features": 12}, normalize="sum"),
-]
+CASES = specs.causal_linear("recurrent")
 
 
-@pytest.mark.parametrize("spec_dict", CASES, ids=[c["name"] for c in CASES])
-def test_decode_steps_equal_one_call(spec_dict):
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_steps_equal_one_call(name):
     """T calls of one token, passing the state, equal one call over T tokens."""
-    op = attngen.load(spec_dict)
+    op = attngen.load(CASES[name])
     inputs = random_inputs(op.spec, Shape(2, 6, 2, 8, 5), dtype=torch.float32)
     o_all, s_all = op(**inputs, output_final_state=True, form="recurrent")
     state = inputs.pop("initial_state")
@@ -51,10 +47,10 @@ def test_decode_steps_equal_one_call(spec_dict):
     assert rel_error(state, s_all) < 1e-5
 
 
-@pytest.mark.parametrize("spec_dict", CASES, ids=[c["name"] for c in CASES])
-def test_outputs_fully_written(spec_dict, poison_fresh_buffers):
+@pytest.mark.parametrize("name", list(CASES))
+def test_outputs_fully_written(name, poison_fresh_buffers):
     """Poison the kernel's output buffers with NaN: every element must be overwritten."""
-    op = attngen.load(spec_dict)
+    op = attngen.load(CASES[name])
     inputs = random_inputs(op.spec, Shape(1, 9, 2, 6, 5, cu_seqlens=(0, 4, 9)), dtype=torch.float32)
     o, s = op(**inputs, output_final_state=True, form="recurrent")
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
@@ -75,7 +71,7 @@ def test_torch_compile_fullgraph(form):
 
 
 def _compile_and_compare(form):
-    op = attngen.load(CASES[0])
+    op = attngen.load(CASES["gated_deltanet"])
 
     class Layer(torch.nn.Module):
         def __init__(self):

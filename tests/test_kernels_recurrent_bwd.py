@@ -11,27 +11,12 @@ from attngen import codegen
 from attngen.reference import reference
 from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
 
-SPECS = {
-    "linear_transformer": dict(feature_map="elu_plus_one", normalize="sum"),
-    "performer": dict(feature_map="favor_plus", favor_plus={"features": 12}, normalize="sum"),
-    "deltanet": dict(update="delta", qk_norm="l2"),
-    "gated_deltanet": dict(update="delta", decay="scalar", qk_norm="l2"),
-    "mamba2": dict(decay="scalar"),
-    "retnet": dict(decay="constant"),
-    "gla": dict(decay="vector"),
-    "kda": dict(update="delta", decay="vector", qk_norm="l2"),
-    "expr_l2_sum": dict(feature_map={"expr": "x*x + 1"}, qk_norm="l2", normalize="sum", decay="scalar"),
-}
-# Further branches of the template: the constant decay's forward-mode dg with the delta rule and
-# with the normalizer.
-EXTRA = {
-    "delta_constant": dict(update="delta", decay="constant", qk_norm="l2"),
-    "sum_constant": dict(feature_map="elu_plus_one", normalize="sum", decay="constant"),
-}
+import specs
 
-
-def spec_dict(name):
-    return dict(name=f"rb_{name}", attention="linear", **{**SPECS, **EXTRA}[name])
+# Every test_gradients case; the tests after it also name further branches of the template from
+# specs.CAUSAL_LINEAR: the constant decay's forward-mode dg with the delta rule (delta_constant)
+# and with the normalizer (sum_constant).
+SPECS = specs.causal_linear("recurrent_bwd")
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend", "poison_fresh_buffers")
@@ -41,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("triton_backend", "poison_fresh_buffers")
 def kernel_op(monkeypatch):
     """name -> (op, calls): the op of a spec with its module's recurrent_bwd counted."""
     def make(name):
-        op = attngen.load(spec_dict(name))
+        op = attngen.load(specs.CAUSAL_LINEAR[name])
         module = codegen.load_module(op.spec)
         assert "recurrent" in module.BACKWARD_FORMS
         real, calls = module.recurrent_bwd, []

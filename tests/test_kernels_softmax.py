@@ -14,23 +14,11 @@ from attngen import codegen
 from attngen.reference import reference, softmax_allowed
 from attngen.testing import Shape, compare, kernel_launch, random_inputs, rel_error
 
+from specs import SOFTMAX as SPECS
+
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
-
-def _spec(name: str, **fields) -> dict:
-    return {"name": name, "attention": "softmax", **fields}
-
-
-SPECS = {
-    "causal": _spec("sm_causal", mask="causal"),
-    "bidirectional": _spec("sm_bidirectional", mask="bidirectional"),
-    "window1": _spec("sm_window1", mask="sliding_window", window=1),
-    "window3": _spec("sm_window3", mask="sliding_window", window=3),
-    "window16": _spec("sm_window16", mask="sliding_window", window=16),
-    "forgetting": _spec("sm_forgetting", mask="causal", decay="scalar"),
-    "window_decay": _spec("sm_window_decay", mask="sliding_window", window=16, decay="scalar"),
-}
 DECAYED = ("forgetting", "window_decay")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

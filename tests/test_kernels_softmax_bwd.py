@@ -13,26 +13,14 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
-from attngen.testing import LOWP_FLOOR, Shape, compare, kernel_launch, outputs_and_grads, random_inputs, rel_error
+from attngen.testing import (LOWP_FLOOR, Shape, compare, kernel_launch, outputs_and_grads, random_inputs, rel_error,
+                             tolerance)
+
+from specs import SOFTMAX as SPECS
 
 
 pytestmark = pytest.mark.usefixtures("triton_backend")
 
-
-def _spec(name: str, **fields) -> dict:
-    return {"name": name, "attention": "softmax", **fields}
-
-
-# The names of tests/test_kernels_softmax.py: one generated module per spec in a session.
-SPECS = {
-    "causal": _spec("sm_causal", mask="causal"),
-    "bidirectional": _spec("sm_bidirectional", mask="bidirectional"),
-    "window1": _spec("sm_window1", mask="sliding_window", window=1),
-    "window3": _spec("sm_window3", mask="sliding_window", window=3),
-    "window16": _spec("sm_window16", mask="sliding_window", window=16),
-    "forgetting": _spec("sm_forgetting", mask="causal", decay="scalar"),
-    "window_decay": _spec("sm_window_decay", mask="sliding_window", window=16, decay="scalar"),
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -59,7 +47,7 @@ def one_key_per_query(spec, shape: Shape) -> bool:
 
 def check_zero_by_structure(op, inputs, dtype, do_seed: int = 1) -> None:
     """dq, dk, dg of a one-key-per-query call are rounding noise of dS = P (dP - delta), each
-    entry of size eps |do_t| |v_j|: bounded by the floor of `dtype` times the size their terms
+    entry of size eps |do_t| |v_j|: bounded by the tolerance floor of `dtype` times the size their terms
     have (scale |dS| |k|, scale |dS| |q|, and |dS| summed along the sequence for dg)."""
     run = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     got = outputs_and_grads(lambda **kw: op(**kw), op.spec, run, with_grads=True, seed=do_seed)
@@ -72,16 +60,21 @@ def check_zero_by_structure(op, inputs, dtype, do_seed: int = 1) -> None:
     for name, bound in bounds.items():
         if name in got:
             err = float(got[name].double().norm())
-            assert err <= LOWP_FLOOR[dtype] * float(bound), f"{name}: |{name}| = {err:.3g} on an exact zero"
+            assert err <= tolerance(dtype, None) * float(bound), f"{name}: |{name}| = {err:.3g} on an exact zero"
 
 
-def check(name: str, shape: Shape, dtype, monkeypatch, seed: int = 0, decay_strength: float = 1.0) -> None:
+def check(name: str, shape: Shape, dtype, monkeypatch, seed: int = 0, decay_strength: float = 1.0,
+          lse: bool = False) -> None:
+    """lse: the op's log-sum-exp (return_lse) too, and the gradients of a loss on o and on it."""
     op = attngen.load(SPECS[name])
     _, calls = kernel_module(op, monkeypatch)
     inputs = random_inputs(op.spec, shape, seed=seed, decay_strength=decay_strength)
-    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True, lse=lse)
     assert len(calls) == 1, "the backward kernels did not run"
-    zero = {"dq", "dk", "dg"} if one_key_per_query(op.spec, shape) else set()
+    assert not lse or "lse" in {n for n, _, _ in rows}
+    # one key per query: lse_t = s_tt, so a loss on it gives dq and dk; dg stays zero (the bias of a
+    # query on its own key is 0)
+    zero = ({"dg"} if lse else {"dq", "dk", "dg"}) if one_key_per_query(op.spec, shape) else set()
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if n not in zero and not e <= t]
     assert not failures, f"{name} {dtype} on {shape}:\n" + "\n".join(failures)
     if zero:
@@ -143,11 +136,46 @@ def test_float16(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["bidirectional", "window3", "window_decay"])
 def test_float64(name, monkeypatch):
-    """float64 inputs accumulate in float64, and the dq pass refines the forward's float32 lse:
-    agreement to the float64 tolerance, Tq < Tk and varlen."""
+    """float64 inputs accumulate in float64, and the forward's lse is float64: agreement to the
+    float64 tolerance, Tq < Tk and varlen."""
     check(name, Shape(batch=1, q_len=40, k_len=70, heads=2, head_dim=24, value_dim=8), torch.float64, monkeypatch)
     check(name, Shape(batch=1, q_len=70, heads=1, head_dim=24, value_dim=8, cu_seqlens=(0, 1, 50, 70)),
           torch.float64, monkeypatch)
+
+
+@pytest.mark.parametrize("case", ["dense", "fewer_queries", "varlen", "bf16", "fp64"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_lse_and_its_gradient(name, case, monkeypatch):
+    """return_lse: the log-sum-exp [B, Tq, H] against the oracle's, and the gradients of a loss on
+    o and lse (the backward's delta less dlse) against float64 autograd of the oracle."""
+    shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=16, value_dim=24),
+             "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=8),
+             "varlen": Shape(batch=1, q_len=100, heads=2, head_dim=16, value_dim=8, cu_seqlens=(0, 1, 66, 83, 100)),
+             "bf16": Shape(batch=1, q_len=40, k_len=70, heads=2, head_dim=16, value_dim=8),
+             "fp64": Shape(batch=1, q_len=40, k_len=70, heads=2, head_dim=24, value_dim=8)}[case]
+    dtype = {"bf16": torch.bfloat16, "fp64": torch.float64}.get(case, torch.float32)
+    check(name, shape, dtype, monkeypatch, seed=7, lse=True)
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("Tq, Tk, kv_heads", [(1, 300, 2), (3, 531, 1)])
+@pytest.mark.parametrize("name", ["causal", "window16", "forgetting"])
+def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
+    """Decode with the keys split (flash-decoding): the lse the combine kernel merges is the
+    call's, and its gradient flows through the backward."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    real, splits = module.softmax_kv_split_len, []
+
+    def spied(*args):
+        got = real(*args)
+        splits.append(got[0])
+        return got
+
+    monkeypatch.setattr(module, "softmax_kv_split_len", spied)
+    shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
+    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk, lse=True)
+    assert splits and max(splits) > 1, f"the keys were not split: {splits}"
 
 
 def _grads(op, module, inputs, do, scale):
@@ -221,9 +249,11 @@ def test_masked_tiles_are_not_read(name):
 
 
 
-def test_torch_compile_fullgraph(monkeypatch):
+@pytest.mark.parametrize("return_lse", [False, True], ids=["o", "o_lse"])
+def test_torch_compile_fullgraph(return_lse, monkeypatch):
     """A module calling the op compiles with no graph break, forward and backward: the backward
-    is an op of its own, so AOTAutograd traces it with fake tensors without launching kernels."""
+    is an op of its own, so AOTAutograd traces it with fake tensors without launching kernels.
+    With return_lse, a loss on the lse too."""
     op = attngen.load(SPECS["forgetting"])
     _, calls = kernel_module(op, monkeypatch)
 
@@ -233,7 +263,10 @@ def test_torch_compile_fullgraph(monkeypatch):
             self.proj = torch.nn.Linear(16, 16, dtype=torch.float64)
 
         def forward(self, q, k, v, g):
-            return op(self.proj(q), k, v, g).square().mean()
+            if not return_lse:
+                return op(self.proj(q), k, v, g).square().mean()
+            o, lse = op(self.proj(q), k, v, g, return_lse=True)
+            return o.square().mean() + lse.square().mean()
 
     layer = Layer()
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, heads=2, head_dim=16, value_dim=8))

@@ -20,6 +20,8 @@ import attngen
 from attngen import codegen
 from attngen.testing import Shape, kernel_launch, outputs_and_grads, random_inputs
 
+from specs import SHIPPED, shipped, stem
+
 PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=4, value_dim=5, cu_seqlens=(0, 5, 6, 12))
 
 
@@ -51,7 +53,7 @@ STRIDED = [("gated_deltanet", "recurrent"), ("gated_deltanet", "chunked"), ("gla
 @pytest.mark.parametrize("name, form", STRIDED, ids=[f"{n}-{f}" for n, f in STRIDED])
 def test_strided_cu_seqlens_equals_its_contiguous_copy(backend, name, form):
     """Outputs, final states and gradients of every input, bit for bit."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     dtype = torch.float32 if backend == "triton" else torch.float64
     inputs = random_inputs(op.spec, PACKED, dtype=dtype)
     if not op.spec.is_linear:
@@ -72,7 +74,7 @@ CHUNKS = {"chunked": 16}
 @pytest.mark.parametrize("name, form", STRIDED, ids=[f"{n}-{f}" for n, f in STRIDED])
 def test_generated_entry_points_take_a_strided_cu_seqlens(name, form):
     """The generated module called directly (its op and backward), not through attngen.load."""
-    spec = attngen.load_spec(f"specs/{name}.yaml")
+    spec = attngen.load_spec(SHIPPED[name])
     module = codegen.load_module(spec)
     inputs = random_inputs(spec, PACKED, dtype=torch.float32, initial_state=False)
     q, k, v, g, beta = inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("beta")
@@ -252,11 +254,10 @@ def test_cache_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
 # launches (H = 2 heads, one value block, one query block).
 GRID_CAP = 3
 GRID_SHAPE = Shape(batch=2, q_len=4, heads=2, head_dim=4, value_dim=4)
-SPEC_PATHS = sorted((ROOT / "specs").glob("*.yaml"))
 
 
 @pytest.mark.usefixtures("triton_backend")
-@pytest.mark.parametrize("path", SPEC_PATHS, ids=[p.stem for p in SPEC_PATHS])
+@pytest.mark.parametrize("path", shipped(), ids=stem)
 def test_launch_grids_put_sequences_times_heads_on_dimension_0(path, monkeypatch):
     from triton.runtime import interpreter
 

@@ -14,8 +14,10 @@ from attngen.spec import NORM_EPS
 from attngen.testing import Shape, outputs_and_grads, random_inputs, rel_error, tolerance
 
 try:
+    from specs import SHIPPED
     from strategies import legal_specs, shapes
 except ImportError:  # tests/ imported as a package
+    from tests.specs import SHIPPED
     from tests.strategies import legal_specs, shapes
 
 TOL = tolerance(torch.float64, None)
@@ -114,7 +116,7 @@ def test_decode_token_by_token_equals_one_call(spec, data):
 @pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention"])
 def test_softmax_decode_with_kv_cache_equals_one_call(name):
     """Softmax decode: query t alone (Tq = 1) against keys 0..t equals row t of one call."""
-    spec = attngen.load_spec(f"specs/{name}.yaml").to_dict()
+    spec = attngen.load_spec(SHIPPED[name]).to_dict()
     if "window" in spec:
         spec["window"] = 5
     op = attngen.load(spec)

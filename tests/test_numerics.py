@@ -18,12 +18,10 @@ import attngen
 from attngen.reference import reference
 from attngen.testing import LOWP_FACTOR, Shape, compare, outputs_and_grads, random_inputs, rel_error, tolerance
 
-SPECS = {
-    "mamba2": "specs/mamba2.yaml",            # additive, scalar decay
-    "gla": "specs/gla.yaml",                  # additive, vector decay
-    "gated_deltanet": "specs/gated_deltanet.yaml",  # delta, scalar decay
-    "kda": "specs/kda.yaml",                  # delta, vector decay
-}
+from specs import SHIPPED
+
+# additive and delta rules, each with a scalar and a vector decay
+SPECS = {name: SHIPPED[name] for name in ("mamba2", "gla", "gated_deltanet", "kda")}
 DECAYS = ("strong", "zero")
 
 
@@ -120,7 +118,7 @@ def with_resets(spec, inputs: dict) -> tuple[dict, tuple]:
 def check_resets(name: str, shape: Shape, dtype: torch.dtype) -> None:
     """Every form against the interpreter (outputs, states, gradients); the gradient at a reset
     gate is 0 (that of exp at -inf): exactly so in the interpreter."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     inputs, where = with_resets(op.spec, random_inputs(op.spec, shape, seed=2))
     ref = outputs_and_grads(lambda **kw: reference(op.spec, **kw), op.spec, inputs, with_grads=True)
     assert (ref["dg"][where] == 0).all()
@@ -149,7 +147,7 @@ def test_resets_kernels(name, triton_backend):
 def test_forgetting_attention_kernel_strong_gates(strength, cu_seqlens, triton_backend, monkeypatch):
     """The decay bias of the softmax kernel stays as accurate as in plain PyTorch (the PyTorch
     form in float32) under strong gates."""
-    op = attngen.load("specs/forgetting_attention.yaml")
+    op = attngen.load(SHIPPED["forgetting_attention"])
     shape = Shape(batch=1, q_len=300, heads=1, head_dim=16, value_dim=16, cu_seqlens=cu_seqlens)
     inputs = random_inputs(op.spec, shape, seed=4)
     gen = torch.Generator().manual_seed(5)

@@ -11,7 +11,6 @@ at float64 rounding).
 from __future__ import annotations
 
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attngen
 from attngen.testing import Shape, outputs_and_grads, random_inputs
 
-SPEC_FILES = sorted(Path(__file__).resolve().parent.parent.glob("specs/*.yaml"))
+from specs import SHIPPED, shipped, stem
+
 # Lengths that differ: a padded slot of a short sequence lies over the next sequence's tokens.
 # The first four share a padding group of the PyTorch forms (planner.packed_groups), the last
 # is in a group of its own.
@@ -28,10 +28,6 @@ CU_SEQLENS = (0, 17, 47, 68, 93, 133)
 POISONED = 1        # the sequence that gets the bad value
 TOKEN = 5           # at this token of it
 BAD = (float("nan"), float("inf"), float("-inf"))
-
-
-def spec_id(path: Path) -> str:
-    return path.stem
 
 
 def poisonable(spec) -> list[str]:
@@ -87,7 +83,7 @@ def packed_inputs(op, cu_seqlens: tuple[int, ...]) -> dict:
     return random_inputs(op.spec, shape, seed=3, initial_state=op.spec.is_linear)
 
 
-@pytest.mark.parametrize("path", SPEC_FILES, ids=spec_id)
+@pytest.mark.parametrize("path", shipped(), ids=stem)
 def test_bad_value_stays_in_its_sequence_torch(path, monkeypatch):
     """The PyTorch forms: every shipped spec, form and per-sequence input, NaN and +-inf;
     outputs, final states and gradients."""
@@ -114,7 +110,7 @@ KERNEL_CASES = [
 @pytest.mark.parametrize("name,variant,names,with_grads", KERNEL_CASES,
                          ids=[f"{c[0]}-{c[1][0]}" for c in KERNEL_CASES])
 def test_bad_value_stays_in_its_sequence_kernels(name, variant, names, with_grads, triton_backend):
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     failures = damaged(op, packed_inputs(op, KERNEL_CU_SEQLENS), [variant], names, BAD[:2], with_grads)
     assert not failures, "\n".join(failures)
 
@@ -152,7 +148,7 @@ def test_softmax_form_is_quadratic(name, monkeypatch):
     quadruple the work."""
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
     monkeypatch.setattr(attngen.forms, "SOFTMAX_QUERY_BLOCK", 16)
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     counts = {}
     for T in (128, 256):
         inputs = random_inputs(op.spec, Shape(batch=1, q_len=T, heads=1, head_dim=4, value_dim=4), dtype=torch.float32)
@@ -172,7 +168,7 @@ def test_packed_cost_follows_tokens(name, form, chunk, monkeypatch):
     within a group of sequences at most doubles its tokens; the packing adds a few gathers), not
     the number of sequences times the longest (10 to 40 times as much here)."""
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     lengths = [200] + [1, 2, 3, 5] * 10
     cu = [0]
     for n in lengths:

@@ -12,12 +12,14 @@ import torch
 import attngen
 from attngen.testing import Shape, compare, random_inputs
 
+from specs import SHIPPED
+
 B, T, H, K, V = 2, 10, 3, 4, 5
 SHAPE = Shape(batch=B, q_len=T, heads=H, head_dim=K, value_dim=V)
 
 
 def op_and_inputs(name: str, shape: Shape = SHAPE, **kw):
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     return op, random_inputs(op.spec, shape, seed=0, **kw)
 
 
@@ -132,7 +134,7 @@ BAD_CU = [
 @pytest.mark.parametrize("case", BAD_CU, ids=[c[0] for c in BAD_CU])
 def test_bad_cu_seqlens(name, case):
     _, make, arg, text = case
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     inputs = random_inputs(op.spec, PACKED, seed=0, initial_state=False)
     op(**inputs)
     with raises_naming(arg, text):
@@ -303,7 +305,7 @@ def test_random_features_identical_in_another_process():
 @pytest.mark.parametrize("name", ["gated_deltanet", "linear_transformer", "softmax_causal"])
 def test_random_features_of_non_favor_spec(name):
     with raises_naming("random_features", "favor_plus"):
-        attngen.load(f"specs/{name}.yaml").random_features(K)
+        attngen.load(SHIPPED[name]).random_features(K)
 
 
 @pytest.mark.parametrize("head_dim", [0, -3, 2.0, True])
@@ -365,7 +367,7 @@ LOWP_SPECS = ["gated_deltanet", "gla", "linear_transformer", "performer", "retne
 def test_low_precision_dtypes(name, dtype):
     """Outputs come back in the inputs' dtype, final states in float32, within tolerance of
     the float64 interpreter (relative to the interpreter run in that dtype)."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     inputs = random_inputs(op.spec, Shape(batch=2, q_len=40, heads=2, head_dim=8, value_dim=6), seed=2)
     low = {n: (t.to(dtype) if n in ("q", "k", "v") else t.float() if t.is_floating_point() else t)
            for n, t in inputs.items()}
@@ -449,7 +451,7 @@ def test_double_backward_through_kernels_names_the_op(triton_backend, name):
     """Generated backward kernels (mamba2, softmax) and the recomputed PyTorch fallback
     (bidirectional): create_graph=True gives the first-order gradients; differentiating them
     again raises attngen's error, naming the op and the way out."""
-    op = attngen.load(f"specs/{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=8, heads=2, head_dim=16, value_dim=16), seed=0,
                            dtype=torch.float32, initial_state=False)
     q = inputs["q"].requires_grad_(True)

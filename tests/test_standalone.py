@@ -38,21 +38,26 @@ if linear:
     kw["output_final_state"] = True
 
 
-def run(fn):
+def run(fn, lse=False):
+    """Outputs and gradients of a loss on them (softmax with lse: o and its log-sum-exp)."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     args = {n: t.clone().requires_grad_() if n == "g" else t for n, t in kw.items()}
-    out = fn(*leaves, **args)
-    o, ht = out if linear else (out, None)
+    out = fn(*leaves, **args, **({"return_lse": True} if lse else {}))
+    o, ht = out if linear or lse else (out, None)
     loss = o.square().sum() + (ht.square().sum() if ht is not None else 0)
     grads = torch.autograd.grad(loss, leaves + ([args["g"]] if "g" in args else []))
     return [o] + ([ht] if ht is not None else []) + list(grads)
 
 
-by_name = run(getattr(torch.ops.attngen, name))
-by_entry = run(module.attention)
+def runs(fn):
+    return run(fn) + ([] if linear else run(fn, lse=True))
+
+
+by_name = runs(getattr(torch.ops.attngen, name))
+by_entry = runs(module.attention)
 import attngen
 op = attngen.load(f"specs/{name}.yaml")
-by_load = run(op)
+by_load = runs(op)
 assert attngen.runtime.kernels_for(op) is module, "attngen.load imported the module a second time"
 for i, (a, b, c) in enumerate(zip(by_name, by_entry, by_load)):
     assert torch.equal(a, c) and torch.equal(b, c), f"result {i} differs from attngen.load's op"
@@ -63,7 +68,8 @@ print("ok")
 @pytest.mark.parametrize("name", ["mamba2", "linear_bidirectional", "softmax_causal"])
 def test_generated_module_imported_alone(name, tmp_path):
     """mamba2 differentiates through its backward kernels, linear_bidirectional through the
-    runtime's recompute (no backward kernel for its form), softmax_causal through its own."""
+    runtime's recompute (no backward kernel for its form), softmax_causal through its own, with
+    and without return_lse (torch.ops.attngen.softmax_causal's overload .lse)."""
     env = {**os.environ, "ATTNGEN_BACKEND": "triton", "TRITON_INTERPRET": "1", "ATTNGEN_CACHE": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", ALONE, name], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -21,6 +21,7 @@ from attngen.testing import Shape, kernel_launch, random_inputs, rel_error
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
+KDA = attngen.load_spec(SPECS / "kda.yaml")
 FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
 
 
@@ -61,13 +62,20 @@ def no_search():
 # --------------------------------------------------------------------------- the knobs
 def test_defaults_are_the_measured_launches():
     """The defaults that moved into the planner (BENCHMARKS.md): bf16 chunked at K = V = 128 takes
-    64-token chunks, 32-lane value blocks, two warps, three stages, 255 registers, a backward at
-    32-token chunks and four warps; fp32 with 256 feature lanes halves the forward's chunk; the
+    64-token chunks; a scalar-decay delta rule's UT step at two warps over 32-lane value blocks, the
+    state pass at four warps over 64 lanes, the output pass at four over 128; three stages, 255
+    registers, a backward at 32-token chunks and four warps; fp32 with 256 feature lanes halves the forward's chunk; the
     softmax bf16 D128 forward 64 x 64 tiles at four warps and three stages, its backward dq
     128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
     call = linear_call()
-    assert default(call) == planner.ChunkedLaunch(chunk=64, BV=32, warps=2, stages=3, maxnreg=255, bwd_chunk=32,
-                                                  bwd_warps=4, bwd_stages=3)
+    assert default(call) == planner.ChunkedLaunch(
+        chunk=64, BV=32, prepare_warps=2, states_BV=64, states_warps=4, stages=3, output_BV=128, output_warps=4,
+        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=3)
+    # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
+    assert default(call, spec=KDA).prepare_warps == 4
+    assert default(call, torch.float32) == planner.ChunkedLaunch(
+        chunk=64, BV=32, prepare_warps=4, states_BV=32, states_warps=4, stages=2, output_BV=32, output_warps=4,
+        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     assert default(linear_call(K=64, V=64), torch.float16).BV == 64
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
@@ -87,23 +95,30 @@ def test_a_launch_is_checked_naming_the_knob():
         dataclasses.replace(default(linear_call()), chunk=48)
     with pytest.raises(ValueError, match="SoftmaxLaunch.BM: 24 is not allowed; allowed: a power of two"):
         planner.SoftmaxLaunch(*([24] + [1] * 13))
-    with pytest.raises(ValueError, match="ChunkedLaunch.warps: True"):
-        dataclasses.replace(default(linear_call()), warps=True)
+    with pytest.raises(ValueError, match="ChunkedLaunch.states_warps: True"):
+        dataclasses.replace(default(linear_call()), states_warps=True)
 
 
 def test_fit_holds_a_launch_to_the_call():
     """A launch from another shape or a forced chunk: value blocks no wider than the values, the
     held chunk on both passes (the backward's at most it), stages within the shared memory."""
     small = linear_call(K=16, V=16)
-    wide = dataclasses.replace(default(linear_call()), BV=128, chunk=64, bwd_chunk=64)
+    wide = dataclasses.replace(default(linear_call()), BV=128, states_BV=128, output_BV=128, chunk=64, bwd_chunk=64)
     fitted = planner.fit_chunked(GDN, small, torch.bfloat16, wide, chunk=16)
-    assert (fitted.BV, fitted.chunk, fitted.bwd_chunk) == (16, 16, 16)
+    assert (fitted.BV, fitted.states_BV, fitted.output_BV, fitted.chunk, fitted.bwd_chunk) == (16, 16, 16, 16, 16)
     stages = planner.fit_chunked(GDN, linear_call(), torch.float32, dataclasses.replace(wide, stages=3)).stages
     assert stages == planner.pipeline_stages(planner.chunked_stage_bytes(GDN, 64, 128, 128, torch.float32)) == 1
-    # bf16 at four warps or more: chunks of at most 32 tokens (Triton 3.6's 64-row wgmma miscompile)
-    warpgroup = planner.fit_chunked(GDN, linear_call(), torch.bfloat16, dataclasses.replace(wide, warps=4, bwd_warps=8))
+    # bf16 at four warps or more in a scalar-decay delta rule's UT step or the backward: chunks of at
+    # most 32 tokens (Triton 3.6's 64-row wgmma miscompile)
+    warpgroup = planner.fit_chunked(GDN, linear_call(), torch.bfloat16,
+                                    dataclasses.replace(wide, prepare_warps=4, bwd_warps=8))
     assert (warpgroup.chunk, warpgroup.bwd_chunk) == (32, 32)
-    assert planner.fit_chunked(GDN, linear_call(), torch.float16, dataclasses.replace(wide, warps=4)).chunk == 64
+    assert planner.fit_chunked(GDN, linear_call(), torch.float16, dataclasses.replace(wide, prepare_warps=4)).chunk == 64
+    # the forward's other steps, and a vector-decay rule's UT step, keep 64-token chunks at four warps
+    # or more (verified on the H200)
+    steps = dataclasses.replace(wide, states_warps=8, output_warps=8)
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, steps).chunk == 64
+    assert planner.fit_chunked(KDA, linear_call(), torch.bfloat16, dataclasses.replace(steps, prepare_warps=4)).chunk == 64
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -122,7 +137,7 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
     form, ints = kernel_launch(op, inputs)
     base = cls(*ints)
     if family == "chunked":
-        other = dataclasses.replace(base, chunk=32, BV=16, warps=8, stages=1, maxnreg=128)
+        other = dataclasses.replace(base, chunk=32, states_BV=16, states_warps=8, stages=1, maxnreg=128)
         kernel = "chunked_states_kernel"
         knobs = {"BT": 32, "BV": 16, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
     else:
@@ -317,7 +332,7 @@ def test_search_descends_knob_by_knob_and_skips_failures():
 
     def measure(launch, pass_):
         measured.append((launch, pass_))
-        if launch.warps == 8:
+        if launch.states_warps == 8:
             raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
         if pass_ == "fwd":
             return 10 - (launch.chunk == 32) * 3 - (launch.BV == 64) * 2 + (launch.maxnreg != 255)
@@ -326,12 +341,33 @@ def test_search_descends_knob_by_knob_and_skips_failures():
     lines = []
     found = tuning.search(start, fit, measure, report=lines.append)
     assert (found.best.chunk, found.best.BV, found.best.bwd_warps) == (32, 64, 2)
-    assert found.best.warps == start.warps and found.best.maxnreg == 255
+    assert found.best.states_warps == start.states_warps and found.best.maxnreg == 255
     assert found.default_ms == {"fwd": 10, "bwd": 5} and found.best_ms == {"fwd": 5, "bwd": 3.5}
     failed = [t for t in found.trials if t.error]
-    assert failed and all("out of resource" in t.error and t.launch.warps == 8 for t in failed)
+    assert failed and all("out of resource" in t.error and t.launch.states_warps == 8 for t in failed)
     assert any("skipped, RuntimeError: out of resource" in line for line in lines)
     assert len(measured) == len(set(measured)), "a launch was timed twice"
+
+
+def test_search_stops_at_an_illegal_address():
+    """A launch that loses the CUDA context (an illegal address: every later kernel would fail)
+    stops the search with an error naming it and the hazard, instead of skipping it and reporting
+    every later launch as failed."""
+    call = linear_call()
+    measured = []
+
+    def measure(launch, pass_):
+        measured.append(launch)
+        if launch.chunk == 32:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 1.0
+
+    lines = []
+    with pytest.raises(RuntimeError, match="illegal address .* CUDA context unusable: the search stops"):
+        tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch), measure,
+                      report=lines.append)
+    assert measured[-1].chunk == 32 and len(measured) == 3
+    assert "illegal memory access" in lines[-1]
 
 
 def test_search_stops_when_its_budget_is_spent():

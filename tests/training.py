@@ -79,3 +79,45 @@ def train(spec, steps: int = 120, device="cpu", seed: int = 0, length: int = 32,
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def train_context_parallel(group, spec="specs/gated_deltanet.yaml", steps: int = 4, seed: int = 0,
+                           length: int = 24, lr: float = 0.2) -> list[float]:
+    """The loss of each step of training Model in float64 with SGD, in one process (group None)
+    or as DistributedDataParallel over the default group with the sequences' time shards on the
+    ranks of `group` (attngen.distributed.ContextParallel; the same ranks): the same losses.
+    Rank r holds tokens [bounds[r], bounds[r + 1]) of every sequence (uneven shards)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from attngen.distributed import ContextParallel
+
+    op = load(spec)
+    torch.manual_seed(seed)
+    model = Model(op, dim=16).double()
+    net, ranks, tokens_of = model, 1, slice(None)
+    if group is not None:
+        for layer in model.layers:
+            layer.op = ContextParallel(op, group)
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        bounds = [0, *(length * (j + 1) // ranks + (1 if j < ranks - 1 else 0) for j in range(ranks))]
+        tokens_of = slice(bounds[rank], bounds[rank + 1])
+        net = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens, target = batch(gen, 8, length, "cpu")
+        logits = net(tokens[:, tokens_of])
+        total = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target[:, tokens_of].reshape(-1),
+                                            ignore_index=-100, reduction="sum")
+        count = int((target != -100).sum())
+        opt.zero_grad()
+        # DDP averages the ranks' gradients; each rank's holds its tokens' part of the mean loss
+        (total * ranks / count).backward()
+        opt.step()
+        total = total.detach()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        losses.append(total.item() / count)
+    return losses

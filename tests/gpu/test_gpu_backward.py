@@ -5,16 +5,15 @@ interpreter run in the same low precision (attngen.testing.compare).
 
 Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """
-from pathlib import Path
-
 import pytest
 import torch
 
 import attngen
 from attngen.testing import Shape, compare, random_inputs
 
-ROOT = Path(__file__).resolve().parents[2]
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+from specs import shipped
+
+SPECS = shipped()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

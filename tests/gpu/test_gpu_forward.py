@@ -5,8 +5,6 @@ same low precision (attngen.testing.tolerance).
 
 Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,8 +12,9 @@ import attngen
 from attngen.reference import reference
 from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
 
-ROOT = Path(__file__).resolve().parents[2]
-SPECS = sorted((ROOT / "specs").glob("*.yaml"))
+from specs import SHIPPED, shipped
+
+SPECS = shipped()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -84,7 +83,7 @@ def test_varlen_and_initial_state(path, dname):
 @pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention"])
 @pytest.mark.parametrize("tq", [1, 100])
 def test_softmax_fewer_queries_than_keys(name, tq):
-    op = attngen.load(ROOT / "specs" / f"{name}.yaml")
+    op = attngen.load(SHIPPED[name])
     shape = Shape(batch=2, q_len=tq, heads=2, head_dim=128, value_dim=128, k_len=3000)
     inputs = random_inputs(op.spec, shape, seed=tq)
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.bfloat16, with_grads=False, device="cuda")

@@ -4,16 +4,15 @@ against the float64 oracle on the CPU (attngen.testing.compare), Tq = Tk and Tq 
 
 Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """
-from pathlib import Path
-
 import pytest
 import torch
 
 import attngen
 from attngen.testing import Shape, compare, random_inputs
 
-ROOT = Path(__file__).resolve().parents[2]
-SPECS = [p for p in sorted((ROOT / "specs").glob("*.yaml")) if not attngen.load(p).spec.is_linear]
+from specs import shipped
+
+SPECS = shipped("softmax")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

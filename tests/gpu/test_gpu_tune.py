@@ -75,7 +75,8 @@ def test_tuned_and_default_launches_agree(name):
     default = planner.LAUNCHES[family](*ints)
     call = attngen.runtime.check_call(op, inputs)
     if family == "chunked":
-        other = dataclasses.replace(default, chunk=32, BV=64, warps=4, stages=2, bwd_chunk=16, bwd_warps=2)
+        other = dataclasses.replace(default, chunk=32, BV=64, states_BV=32, states_warps=2, output_BV=64,
+                                    output_warps=2, stages=2, bwd_chunk=16, bwd_warps=2)
     else:
         other = dataclasses.replace(default, BM=128, BN=32, warps=8, stages=2, last_first=0, dq_BM=64, dq_BN=64,
                                     dkdv_BN=128, dkdv_BM=32, dkdv_warps=8)

@@ -1,0 +1,87 @@
+"""Decode step timings (GPU): gated deltanet H16 K=V=128 bf16 inputs, float32 state, one token of
+B sequences whose states live in a StateCache, eager and replayed from a CUDA graph, against
+fla's fused recurrent gated delta rule (initial_state in, final state out: its decode; eager and
+graph, when fla is installed), outputs compared.
+
+    python bench/decode.py [--batch 1,64,256] [--slots 512]
+
+Per row: microseconds per step (median of do_bench), and the effective state bandwidth (the
+state read and written once per step) of the graph replay.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attngen  # noqa: E402
+
+H, K, V = 16, 128, 128
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (after a warm-up call): a function replaying it."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,64,256")
+    parser.add_argument("--slots", type=int, default=512)
+    args = parser.parse_args()
+    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml")
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except ImportError as e:
+        fused_recurrent_gated_delta_rule = None
+        print(f"fla unavailable ({e}): attngen alone")
+    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {'TB/s':>6} {'fla eager':>10} {'fla graph':>10} {'rel diff':>9}")
+    torch.manual_seed(0)
+    for batch in map(int, args.batch.split(",")):
+        x = dict(q=torch.randn(batch, 1, H, K), k=torch.randn(batch, 1, H, K), v=torch.randn(batch, 1, H, V),
+                 g=torch.nn.functional.logsigmoid(torch.randn(batch, 1, H) + 2), beta=torch.rand(batch, 1, H))
+        x = {n: t.cuda().to(torch.bfloat16 if n in ("q", "k", "v") else torch.float32) for n, t in x.items()}
+        cache = attngen.StateCache(op, slots=max(args.slots, batch), heads=H, head_dim=K, value_dim=V, device="cuda")
+        cache.state.normal_(0, 0.1)
+        slots = torch.randperm(cache.num_slots, device="cuda")[:batch].to(torch.int32)
+        start = cache.state[slots.long()].clone()
+        with torch.no_grad():
+            step = op.prepare_decode(cache, batch, dtype=torch.bfloat16)
+            t_eager = us(lambda: step(**x, slots=slots))
+            t_graph = us(graphed(lambda: step(**x, slots=slots)))
+            row = f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {2 * start.numel() * 4 / t_graph / 1e6:>6.2f}"
+            if fused_recurrent_gated_delta_rule is not None:
+                # fla's decode as served before the cache: the batch's states in, new final states
+                # out (its keys and queries l2-normalized beforehand, as attngen's spec does)
+                q_n = torch.nn.functional.normalize(x["q"].float(), dim=-1).to(torch.bfloat16)
+                k_n = torch.nn.functional.normalize(x["k"].float(), dim=-1).to(torch.bfloat16)
+
+                def fla_step():
+                    return fused_recurrent_gated_delta_rule(q_n, k_n, x["v"], x["g"], x["beta"], scale=K ** -0.5,
+                                                            initial_state=start, output_final_state=True)
+
+                t_fla = us(fla_step)
+                t_fla_graph = us(graphed(fla_step))
+                cache.state[slots.long()] = start
+                o = step(**x, slots=slots)
+                o_fla = fla_step()[0]
+                diff = float((o.float() - o_fla.float()).norm() / o_fla.float().norm())
+                row += f" {t_fla:>10.1f} {t_fla_graph:>10.1f} {diff:>9.1e}"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
