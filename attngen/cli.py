@@ -1,4 +1,4 @@
-"""attngen's command line: explain, check, compile.
+"""attngen's command line: explain, check, compile, tune, bench.
 
 torch, sympy and jinja are imported inside the commands, not here: `attngen --help` and
 `attngen --version` stay fast (importing torch alone takes seconds)."""
@@ -12,6 +12,8 @@ from . import __version__
 from .spec import SpecError
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")
+# The benchmark shape (BENCHMARKS.md): `tune` and `bench` without --shapes.
+BENCH_SHAPE = "4,8192,16,128,128"
 
 
 def _shape(text: str) -> tuple[int, int, int, int, int]:
@@ -31,15 +33,6 @@ def _ranks(text: str) -> int:
     return int(text)
 
 
-def _call(op, inputs: dict):
-    """The checked call (shapes, lengths) of an op on inputs in the op's signature."""
-    from .inputs import check_linear, check_softmax
-    q, k, v, g, cu = inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("cu_seqlens")
-    if op.spec.is_linear:
-        return check_linear(op.spec, q, k, v, g, inputs.get("beta"), None, inputs.get("initial_state"), cu)
-    return check_softmax(op.spec, q, k, v, g, None, cu)
-
-
 def _machine_device() -> str:
     """Where the kernels would run on this machine: CUDA if torch sees a GPU, else the CPU."""
     import torch
@@ -49,13 +42,13 @@ def _machine_device() -> str:
 def cmd_explain(args) -> int:
     import torch
 
-    from . import planner
-    from .runtime import backend, load, route, runs_as
+    from . import planner, tuning
+    from .runtime import backend, check_call, load, route, runs_as
     from .testing import Shape, random_inputs
     op = load(args.spec)
     print(planner.explain(op.plan))
     shape = Shape(*args.shape)
-    call = _call(op, random_inputs(op.spec, shape, initial_state=False))
+    call = check_call(op, random_inputs(op.spec, shape, initial_state=False))
     choice = op.choose(call)
     B, T, H, K, V = shape.batch, shape.q_len, shape.heads, shape.head_dim, shape.value_dim
     print(f"\nfor shape B={B} T={T} H={H} K={K} V={V}: form {choice.form}"
@@ -68,16 +61,24 @@ def cmd_explain(args) -> int:
         except ValueError as e:
             print(f"  {label} inputs: none: {e}")
             continue
-        print(f"  {label} inputs: {name}, {runs_as(op.spec, choice, call, name)} ({reason})")
+        print(f"  {label} inputs: {name}, {runs_as(op.spec, choice, call, name, device, dtype)} ({reason})")
+    form, chunk = planner.kernel_form(op.spec, choice, call)
+    family = planner.launch_family(op.spec, form)
+    if family is not None:
+        for dtype in (torch.bfloat16, torch.float32):
+            chosen = tuning.choose(op.spec, family, call, dtype, device, chunk)
+            print(f"{family} kernel launch, {tuning.dtype_name(dtype)}: {chosen.launch.describe()}\n"
+                  f"  {chosen.source}")
     if args.ranks is not None:
         print("\n" + planner.explain_parallel(op.spec, args.ranks, B, T, H, K, V))
     return 0
 
 
 def _variants(op):
+    from .planner import KERNEL_CHUNKS
     for form in op.plan.forms:
         if form.name == "chunked":
-            for c in (16, 32, 64):
+            for c in KERNEL_CHUNKS:
                 yield form.name, c
         else:
             yield form.name, None
@@ -86,7 +87,7 @@ def _variants(op):
 def cmd_check(args) -> int:
     import torch
 
-    from .runtime import backend, load, route, runs_as
+    from .runtime import backend, check_call, load, route, runs_as
     from .testing import Shape, compare, random_inputs
     shape = Shape(*args.shape)
     shapes = [shape, Shape(1, shape.q_len * 2 + 1, shape.heads, shape.head_dim, shape.value_dim,
@@ -121,8 +122,8 @@ def cmd_check(args) -> int:
                 prefix = f"{op.spec.name:<24s} {name:<7s} {dname:<8s} {form:<10s} {chunk or '':>5}"
                 rows_run += 1
                 try:
-                    call = _call(op, inputs)
-                    runs = runs_as(op.spec, op.choose(call, form, chunk), call, name)
+                    call = check_call(op, inputs)
+                    runs = runs_as(op.spec, op.choose(call, form, chunk), call, name, device, dtype)
                     fn = lambda **kw: op(**kw, form=form, chunk_size=chunk)  # noqa: B023
                     rows = compare(op.spec, fn, inputs, dtype, with_grads=not args.no_grad, device=device)
                 except Exception as e:  # a failing form is a failed row; the other rows still run
@@ -151,6 +152,75 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _shapes(text: str):
+    """B,T,H,K,V[,Tq[,H_kv]] as a testing.Shape (testing.parse_shape), an argparse error if malformed."""
+    from .testing import parse_shape
+    try:
+        return parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--shapes: ")) from None
+
+
+def _baselines(text: str) -> tuple[str, ...]:
+    from .bench import BASELINES
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in BASELINES + ("none",)]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)} is not a baseline; allowed: "
+                                         f"{', '.join(BASELINES)} (comma-separated), or none")
+    return tuple(n for n in names if n != "none")
+
+
+def _specs(paths):
+    """Every spec loaded before any work starts: a bad one is an error naming it."""
+    from .spec import load_spec
+    return [load_spec(p) for p in paths]
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from . import planner, tuning
+    specs = _specs(args.specs)
+    if not torch.cuda.is_available():
+        print("attngen tune: no CUDA GPU here (torch.cuda.is_available() is False): tuning times the kernels on "
+              "the GPU that will run them; run it there", file=sys.stderr)
+        return 1
+    dtype = getattr(torch, args.dtype)
+    report = lambda line: print(line, flush=True)  # noqa: E731
+    for spec in specs:
+        if planner.launch_family(spec) is None:
+            report(f"{spec.name}: skipped: its kernels (recurrent, bidirectional) take no launch knobs")
+            continue
+        shapes = [s for s in args.shapes or [_shapes(BENCH_SHAPE)] if not spec.is_linear or not (s.k_len or s.kv_heads)]
+        if len(shapes) < len(args.shapes or ()):
+            report(f"{spec.name}: shapes with Tq or H_kv skipped: those are for softmax specs")
+        if shapes:
+            tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from . import bench
+    specs = _specs(args.specs)
+    reason = bench.no_device_reason() or (bench.check_plot_support() if args.plot else None)
+    if reason:
+        print(f"attngen bench: {reason}", file=sys.stderr)
+        return 1
+    shapes = args.shapes or [_shapes(BENCH_SHAPE)]
+    shapes = bench.sweep(shapes[0]) if args.plot and len(shapes) == 1 else shapes
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = lambda line: print(line, flush=True)  # noqa: E731
+    rows = bench.run(specs, shapes, getattr(torch, args.dtype), device, (args.bwd,), args.vs, report=report,
+                     profile_kernels=args.profile)
+    if args.plot:
+        bench.plot(rows, args.plot)
+        report(f"wrote {args.plot}")
+    return 1 if any(r.impl == "attngen" and r.note.startswith("failed") for r in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngen", description="A compiler for attention kernels.")
     parser.add_argument("--version", action="version", version=f"attngen {__version__}")
@@ -177,6 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("specs", type=Path, nargs="+")
     p.add_argument("-o", "--output", type=Path, default=Path("generated"))
     p.set_defaults(fn=cmd_compile)
+
+    tune_dtypes = ("bfloat16", "float16", "float32")
+    p = sub.add_parser("tune", help="search the kernels' launch knobs on this GPU and write the winners to a table")
+    p.add_argument("specs", type=Path, nargs="+")
+    p.add_argument("--shapes", type=_shapes, nargs="+", default=None, metavar="B,T,H,K,V[,Tq]",
+                   help=f"shapes to tune at (T the keys' length; Tq the queries', softmax decode); "
+                        f"default {BENCH_SHAPE}")
+    p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory of the table (default: $ATTNGEN_TUNE_DIR, else $ATTNGEN_CACHE/tune; the shipped "
+                        "tables are attngen/tables)")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="seconds of search per spec and shape, after which the best launch so far stands")
+    p.set_defaults(fn=cmd_tune)
+
+    p = sub.add_parser("bench", help="time the kernels against the baseline of the same semantics (fla, SDPA, Flex)")
+    p.add_argument("specs", type=Path, nargs="+")
+    p.add_argument("--shapes", type=_shapes, nargs="+", default=None, metavar="B,T,H,K,V[,Tq[,H_kv]]",
+                   help=f"default {BENCH_SHAPE}")
+    p.add_argument("--vs", type=_baselines, default="fla,sdpa,flex",
+                   help="baselines, comma-separated: fla, sdpa, flex, or none (default: all that apply)")
+    p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
+    p.add_argument("--bwd", action="store_true", help="time forward + backward (default: forward)")
+    p.add_argument("--profile", action="store_true", help="attngen's GPU kernels and their time under each row")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="draw time against sequence length (one shape given: T from 1K to 128K at its B*T)")
+    p.set_defaults(fn=cmd_bench)
 
     args = parser.parse_args(argv)
     try:

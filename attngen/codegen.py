@@ -59,11 +59,11 @@ def compile_to(spec: Spec, out_dir: Path) -> Path:
     path = out_dir / f"{spec.name}.py"
     source = render(spec).encode()
     if not path.exists() or path.read_bytes() != source:
-        _write_atomic(path, source)
+        write_atomic(path, source)
     return path
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same directory, then os.replace: another process
     importing the module meanwhile reads the old file or the new one, never part of one, and a
     write that fails (a full disk) leaves the old file."""

@@ -83,6 +83,7 @@ class Choice:
     form: str
     chunk: int
     reason: str
+    asked_chunk: int | None = None     # the caller's chunk_size, which holds the kernels to it too
 
 
 def validate_form(form: Form) -> None:
@@ -204,7 +205,7 @@ def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None =
         size = call.max_len  # one chunk spans the sequence
     else:
         size = 1
-    return Choice(form, size, reason)
+    return Choice(form, size, reason, chunk if form == "chunked" else None)
 
 
 # The PyTorch forms run a packed call (cu_seqlens) in groups of sequences, each group padded to
@@ -224,6 +225,333 @@ def packed_groups(lengths: list[int], choice: Choice) -> list[list[int]]:
     return [groups[key] for key in sorted(groups)]
 
 
+# ---------------------------------------------------------------------------- launch knobs
+# What a kernel launch takes that changes its speed and never its results (beyond rounding): chunk
+# and tile sizes, warps, software-pipeline stages, registers. The planner owns them: one frozen
+# dataclass per kernel family, its defaults (below, with the measurements behind them), the rules
+# that fit a value to a call, and the values a search tries. Per call the runtime takes a tuned
+# table's launch where one exists (attngen.tuning), else the default; the generated op receives it
+# as a list of ints in field order, and the launchers only read it.
+
+# Chunk sizes of the chunked kernels (their UT transform works in 16-token blocks).
+KERNEL_CHUNKS = (16, 32, 64)
+
+# What each knob may be (a value outside is a ValueError naming the knob).
+_ALLOWED = {
+    "chunk": (lambda x: x in KERNEL_CHUNKS, ", ".join(map(str, KERNEL_CHUNKS))),
+    "block": (lambda x: 16 <= x <= 256 and not x & (x - 1), "a power of two from 16 to 256"),
+    "warps": (lambda x: x in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+    "stages": (lambda x: 1 <= x <= 8, "1 to 8"),
+    "registers": (lambda x: 32 <= x <= 255, "32 to 255 registers per thread"),
+    "flag": (lambda x: x in (0, 1), "0 or 1"),
+    "splits": (lambda x: 1 <= x <= 1024, "1 to 1024"),
+}
+
+
+def knob(pass_: str, allowed: str, search: tuple[int, ...]):
+    """A launch dataclass field: the pass whose time it changes (fwd | bwd), what it may be (_ALLOWED)
+    and the values a search tries (each fitted to the call before it runs)."""
+    return dataclasses.field(metadata={"pass": pass_, "allowed": allowed, "search": search})
+
+
+class Launch:
+    """Base of the launch dataclasses: the checks, the op's list of ints, the knobs of a pass."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            ok, allowed = _ALLOWED[f.metadata["allowed"]]
+            if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+                raise ValueError(f"{type(self).__name__}.{f.name}: {value!r} is not allowed; allowed: {allowed}")
+
+    def ints(self) -> list[int]:
+        """The knobs in field order: what the generated op takes as `launch`."""
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def describe(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def knobs(cls, pass_: str | None = None) -> tuple[str, ...]:
+        """The knobs' names in field order: all, or those of one pass (fwd | bwd)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if pass_ in (None, f.metadata["pass"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedLaunch(Launch):
+    """Launch knobs of the chunked linear kernels: the forward's three steps (the chunk-parallel
+    prepare step, UT transform or keys; the sequential state pass; the output pass) each with its
+    own warps and value blocks, and the backward (which recomputes the chunk-start states at a chunk
+    of its own through the forward's prepare and state steps)."""
+
+    chunk: int = knob("fwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the forward
+    BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes of the prepare step's value loop and the backward's kernels
+    prepare_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the prepare step (UT transform or keys)
+    states_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the state pass
+    states_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the state pass (the backward's recomputation too)
+    stages: int = knob("fwd", "stages", (1, 2, 3))  # software-pipeline stages of the forward's state pass
+    output_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the output pass
+    output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
+    maxnreg: int = knob("fwd", "registers", (128, 255))  # registers per thread (every chunked kernel)
+    bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
+    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
+    bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
+    bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the delta rule's state-gradient pass (1: additive rules have none)
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxLaunch(Launch):
+    """Launch knobs of the softmax kernels: the forward and its split of the keys (flash-decoding),
+    the backward's dq pass and dk/dv pass."""
+
+    BM: int = knob("fwd", "block", (32, 64, 128))  # query rows per program of the forward
+    BN: int = knob("fwd", "block", (32, 64, 128))  # keys per tile of the forward
+    warps: int = knob("fwd", "warps", (4, 8))  # warps of the forward
+    stages: int = knob("fwd", "stages", (1, 2, 3, 4))  # software-pipeline stages of the forward
+    last_first: int = knob("fwd", "flag", (0, 1))  # a head's last query block launches first
+    kv_splits: int = knob("fwd", "splits", (1, 2, 4, 8, 16, 32))  # programs sharing one query block's keys
+    dq_BM: int = knob("bwd", "block", (64, 128))  # query rows per program of the dq pass
+    dq_BN: int = knob("bwd", "block", (32, 64, 128))  # keys per tile of the dq pass
+    dq_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dq pass
+    dq_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dq pass
+    dkdv_BN: int = knob("bwd", "block", (64, 128))  # keys per program of the dk/dv pass
+    dkdv_BM: int = knob("bwd", "block", (32, 64, 128))  # query rows per tile of the dk/dv pass
+    dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
+    dkdv_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dk/dv pass
+
+
+# The kernel families with launch knobs, by the name tables and `attngen tune` give them.
+LAUNCHES: dict[str, type[Launch]] = {"chunked": ChunkedLaunch, "softmax": SoftmaxLaunch}
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def lanes(n: int) -> int:
+    """A dim padded for the kernels' tiles: a power of two, at least 16 (tl.dot takes no dim below 16)."""
+    return max(16, pow2(n))
+
+
+def kernel_form(spec: Spec, choice: Choice, call: Call) -> tuple[str, int | None]:
+    """The kernel form serving a choice, and the chunk the chunked kernels are held to (None: the
+    launch's own). The kernels serve recurrent, chunked and bidirectional; the parallel form of a
+    causal linear spec runs as one chunk of the chunked kernels (up to the largest chunk)."""
+    if not spec.is_linear or spec.mask == "bidirectional":
+        return "parallel", None
+    if choice.form == "parallel":
+        return "chunked", min(KERNEL_CHUNKS[-1], max(KERNEL_CHUNKS[0], pow2(call.max_len)))
+    if choice.form == "chunked" and choice.asked_chunk is not None and choice.asked_chunk not in KERNEL_CHUNKS:
+        raise ValueError(f"chunk_size: the Triton kernels take {', '.join(map(str, KERNEL_CHUNKS))}, "
+                         f"got {choice.asked_chunk}")
+    return choice.form, choice.asked_chunk
+
+
+def launch_family(spec: Spec, form: str = "chunked") -> str | None:
+    """The launch family (LAUNCHES) of a spec's kernel form: softmax; chunked for the chunked form of
+    causal linear specs; None for the recurrent and bidirectional linear kernels (no knobs yet)."""
+    if not spec.is_linear:
+        return "softmax"
+    return "chunked" if form == "chunked" and spec.mask != "bidirectional" else None
+
+
+# Registers per thread of every chunked kernel: all a Hopper thread has, stated rather than left to
+# ptxas. Without .maxnreg, ptxas -O3 allotted some of them 32 registers and spilled the rest: kda
+# bf16 at K = V = 128, 34,280 B in the forward's state pass; the delta-rule backward, 81,948 B in
+# fp32 (bench/compile_time.py).
+MAXNREG = 255
+
+# Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
+# has 227 KiB; the rest is left to the dots' operand staging).
+PIPELINE_BYTES = 160 * 1024
+
+
+def pipeline_stages(stage_bytes: int) -> int:
+    """The most num_stages for a loop that loads stage_bytes of tiles per iteration: Triton keeps
+    one copy of them in shared memory per stage (at most 3 stages, at least 1: no prefetch)."""
+    return max(1, min(3, PIPELINE_BYTES // stage_bytes))
+
+
+def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
+    """The tiles one chunk of the state pass loads: with the delta rule W, the keys transposed and U0,
+    else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
+    in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32."""
+    tile = 2 if dtype == torch.bfloat16 else 4
+    if spec.update == "delta":
+        size = chunk * (2 * BF + BV) * tile
+    else:
+        size = chunk * (BF * tile + BV * dtype.itemsize)
+    return size + (BF * 4 if spec.decay == "vector" else 0)
+
+
+def delta_bwd_states_stage_bytes(chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
+    """The tiles one chunk of the delta rule's state-gradient pass loads: the decayed keys, the
+    queries and W transposed and dU (in chunked_pass_dtype), and do (the input dtype)."""
+    tile = 2 if dtype == torch.bfloat16 else 4
+    return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
+
+
+def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
+    """The default launch of the chunked kernels for a call."""
+    BF = lanes(call.feature_dim)
+    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks
+    # for wide features
+    BV = 64 if BF <= 64 else 32
+    # Four warps for fp32 and fp16 inputs (tf32 dots): two (64 threads) holding a 64-token chunk's
+    # [64, 128] float32 tiles spilled registers and compiled 3x slower. Two for bf16 past 128
+    # feature lanes.
+    warps = 2 if dtype == torch.bfloat16 else 4
+    prepare_warps = states_warps = output_warps = warps
+    states_BV = output_BV = BV
+    if dtype == torch.bfloat16 and BF <= 128:
+        # bf16 at K = V = 128 on the H200 (BENCHMARKS.md 2026-12-01): four warps, the state pass by
+        # 64-value blocks and the output pass by 128 (against two warps and 32) took gated_deltanet's
+        # passes from 536 and 858 us to 357 and 337, gla's forward from 9.24 to 3.09 ms; 64-token
+        # chunks at four warps verified for these steps.
+        states_BV, output_BV = 64, 128
+        prepare_warps = states_warps = output_warps = 4
+        if spec.update == "delta" and spec.decay != "vector":
+            # The UT step of scalar-decay and plain delta rules stays at two warps: its 64-row
+            # 16-bit dots are those Triton 3.6 miscompiled at four (and at four it took 1126 us
+            # against 679).
+            prepare_warps = 2
+    return fit_chunked(spec, call, dtype, ChunkedLaunch(
+        chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, states_BV=states_BV,
+        states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
+        maxnreg=MAXNREG,
+        # The backward: at most 32-token chunks whatever the forward's (it recomputes its states),
+        # and four warps. kda fp32 at K = V = 128:
+        # - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran
+        #   out of local memory for them;
+        # - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
+        # - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots
+        #   have 32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
+        bwd_chunk=32,
+        bwd_warps=4,
+        bwd_stages=3,
+        bwd_ds_stages=3,
+    ))
+
+
+def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch,
+                chunk: int | None = None) -> ChunkedLaunch:
+    """A launch held to what a call can take (a default, a table's from another shape, a search's
+    candidate); chunk: the chunk the call is held to (the caller's chunk_size, or the parallel
+    form's one chunk), the backward's at most that."""
+    BF = lanes(call.feature_dim)
+    if chunk is not None:
+        launch = dataclasses.replace(launch, chunk=chunk, bwd_chunk=min(chunk, launch.bwd_chunk))
+    fwd_chunk, bwd_chunk = launch.chunk, launch.bwd_chunk
+    if dtype == torch.float32 and BF > 128:
+        # At 64, the output pass's tf32x3 dots of [64, 256] tiles asked for 262,144 B of shared
+        # memory (the H200 has 232,448; bench/compile_time.py); the outputs do not depend on the chunk.
+        fwd_chunk = min(fwd_chunk, 32)
+    if dtype == torch.bfloat16:
+        # Triton 3.6 miscompiled the 64-row wgmma dots of bf16 operands on the H200 at K = V = 128
+        # (wrong outputs, illegal addresses; BENCHMARKS.md) in the UT step of scalar-decay and plain
+        # delta rules and in the backward: at four warps or more (a warpgroup: the dots go to
+        # wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The forward's
+        # other steps were verified at 64-token chunks and four warps.
+        if spec.update == "delta" and spec.decay != "vector" and launch.prepare_warps >= 4:
+            fwd_chunk = min(fwd_chunk, 32)
+        bwd_chunk = min(bwd_chunk, 32) if launch.bwd_warps >= 4 else bwd_chunk
+    V = lanes(call.value_dim)
+    BV, states_BV, output_BV = min(launch.BV, V), min(launch.states_BV, V), min(launch.output_BV, V)
+    ds_stages = (min(launch.bwd_ds_stages, pipeline_stages(delta_bwd_states_stage_bytes(bwd_chunk, BF, BV, dtype)))
+                 if spec.update == "delta" else 1)
+    return dataclasses.replace(
+        launch, chunk=fwd_chunk, BV=BV, states_BV=states_BV, output_BV=output_BV, bwd_chunk=bwd_chunk,
+        stages=min(launch.stages, pipeline_stages(chunked_stage_bytes(spec, fwd_chunk, BF, states_BV, dtype))),
+        bwd_stages=min(launch.bwd_stages, pipeline_stages(chunked_stage_bytes(spec, bwd_chunk, BF, states_BV, dtype))),
+        bwd_ds_stages=ds_stages)
+
+
+def _softmax_lens(call: Call) -> tuple[int, int]:
+    """The longest query and key sequences of a call (the packed sequences' longest with cu_seqlens)."""
+    return (call.max_len, call.max_len) if call.varlen else (call.q_len, call.k_len)
+
+
+def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
+    """The default launch of the softmax kernels for a call on a GPU of `sms` multiprocessors."""
+    BK, BV = lanes(call.head_dim), lanes(call.value_dim)
+    size, acc = dtype.itemsize, (8 if dtype == torch.float64 else 4)
+    max_q, max_k = _softmax_lens(call)
+    # The forward: the query tile within 32 KiB and a stage of key + value tiles within 64 KiB of
+    # shared memory; rows capped by the longest sequence. 16-bit inputs up to 128 lanes: 64 x 64
+    # tiles, four warps, three stages, the fastest of 36 configurations on the H200 (softmax_causal
+    # B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms at eight warps and two stages; BENCHMARKS.md).
+    # A head's last query block launches first (2.49 against 2.66 ms).
+    BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), lanes(max_q))
+    BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
+    if size == 2 and max(BK, BV) <= 128:
+        warps, stages = 4, 3
+    else:
+        warps, stages = 4 if max(BK, BV) <= 64 else 8, 2
+    programs = -(-max_q // BM) * call.num_seqs * call.heads
+    # The backward: a program's block holds its resident tiles and two float32 (float64)
+    # accumulators of BK + BV columns within 64 KiB of registers; a stage of the inner tiles it
+    # streams (BK + BV columns in the input dtype) within 32 KiB of shared memory. 16-bit inputs up
+    # to 128 lanes take the fastest of 36 configurations per kernel on the H200 (softmax_causal B4
+    # T8192 H16 D128 bf16; BENCHMARKS.md): dq 128-query blocks and 128-key tiles at eight warps,
+    # dk/dv 64-key blocks and 64-query tiles at four warps, two stages each (forward + backward
+    # 11.2 ms, from 19.9 ms).
+    bwd = {}
+    for kernel, cap in (("dq", lanes(max_q)), ("dkdv", lanes(max_k))):
+        if size == 2 and max(BK, BV) <= 128:
+            block, tile, bwd_warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
+            block, tile = min(block, cap), min(tile, cap)
+        else:
+            block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc))))
+            tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
+            bwd_warps = 8 if block * (BK + BV) > 4096 else 4
+        bwd[kernel] = block, tile, bwd_warps, 2
+    return fit_softmax(call, SoftmaxLaunch(
+        BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
+        kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms),
+        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3],
+        dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2], dkdv_stages=bwd["dkdv"][3],
+    ))
+
+
+def softmax_kv_splits(programs: int, Tk: int, BN: int, sms: int) -> int:
+    """Programs sharing each query block's keys. Split-KV (flash-decoding) when the query blocks give
+    fewer programs than the GPU has multiprocessors (decode: a few queries against a long cache):
+    enough splits of at least two key tiles each for two programs per multiprocessor."""
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), -(-Tk // (2 * BN))))
+
+
+def fit_softmax(call: Call, launch: SoftmaxLaunch) -> SoftmaxLaunch:
+    """A launch held to what a call can take: blocks no longer than the longest sequence they
+    tile, the keys split in at most as many parts as they have tiles, packed calls unsplit (the
+    split forward reads dense sequences)."""
+    q_cap, k_cap = (lanes(n) for n in _softmax_lens(call))
+    return dataclasses.replace(
+        launch, BM=min(launch.BM, q_cap),
+        kv_splits=1 if call.varlen else min(launch.kv_splits, -(-call.k_len // launch.BN)),
+        dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap),
+        dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap))
+
+
+def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms: int) -> Launch:
+    """The default launch of a kernel family (LAUNCHES) for a call on a GPU of `sms` multiprocessors."""
+    if family == "chunked":
+        return chunked_launch(spec, call, dtype)
+    return softmax_launch(call, dtype, sms)
+
+
+def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: Launch,
+               chunk: int | None = None) -> Launch:
+    """A launch of a kernel family held to what a call can take (fit_chunked, fit_softmax)."""
+    if family == "chunked":
+        return fit_chunked(spec, call, dtype, launch, chunk)
+    return fit_softmax(call, launch)
 # Context parallelism (attngen.distributed): ranks hold consecutive time shards of the same
 # sequences and exchange, with one all-gather (its gradient one reduce-scatter in the backward),
 # what each needs from the others. The method follows from the spec:
@@ -360,6 +688,7 @@ class KernelSpec:
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
     log_decay_floor: float          # log decays are raised to it where the kernels load them
+    launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
 
 
@@ -383,13 +712,15 @@ def kernel_spec(spec: Spec) -> KernelSpec:
     else:
         phi = phi_grad = "x"
         feature = "favor_plus" if spec.is_linear else "identity"
+    family = launch_family(spec)
     return KernelSpec(
         name=spec.name, spec_hash=spec.hash, spec_dict=repr(spec.to_dict()), semantics=spec.describe(),
         attention=spec.attention,
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN)
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN,
+        launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 
 def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> dict:

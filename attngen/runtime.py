@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner, serving
+from . import algebra, codegen, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .spec import Spec, load_spec
 
@@ -125,14 +125,14 @@ class Op:
             if self._kernels is None:
                 self._kernels = kernels_for(self)
             omega = self.features(call.head_dim, q.device, torch.float32)
-            kform, chunk = kernel_form(self.spec, choice, call)
+            kform, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
             if torch.compiler.is_compiling():
                 # the registered op (mutating the cache), which torch.compile traces
                 return self._kernels.cached_op(q, k, v, g, beta, omega, cache.state, slots, cu_seqlens, call.scale,
-                                               kform, chunk), None
+                                               kform, launch), None
             # eagerly the same launches without the dispatcher's pass over a mutating op (some
             # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
-            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, chunk,
+            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, launch,
                                          True, slots)[0], None
         run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
         return serving.run_torch(run, cache, slots), None
@@ -156,7 +156,8 @@ class Op:
         if _use_kernels(self.spec, q):
             if self._kernels is None:
                 self._kernels = kernels_for(self)
-            args = (q, k, v, cache.k, cache.v, cache.lengths, slots, cu_seqlens, call.scale, call.max_len)
+            args = (q, k, v, cache.k, cache.v, cache.lengths, slots, cu_seqlens, call.scale, call.max_len,
+                     cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
             if torch.compiler.is_compiling():
                 return self._kernels.cached_op(*args)
             return self._kernels.cached_forward(*args)
@@ -166,6 +167,10 @@ class Op:
             return self._run_torch(call_n, choice, q_n, k_n, v_n, None, None, None, False, None)
 
         return serving.run_torch_keys(attend, cache, slots, q, k, v, cu_seqlens)
+
+    def cache_launch(self, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
+        """The softmax kernels' launch knobs for a call on a key/value cache (cache_launch)."""
+        return cache_launch(self.spec, call, rows, device, dtype)
 
     def prepare_decode(self, cache: serving.StateCache, batch: int, dtype: torch.dtype = torch.float32,
                        tokens: int = 1, scale: float | None = None, heads: int | None = None) -> serving.DecodeStep:
@@ -272,9 +277,10 @@ class Op:
         args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}
         with torch.enable_grad():
             if self.spec.is_linear:
-                scale, form, chunk, output_final_state = rest
+                scale, form, launch, output_final_state = rest
                 call = check_linear(self.spec, **args, scale=scale)
-                choice = planner.Choice(form, chunk if form == "chunked" else 1, "recomputed for the backward")
+                chunk = planner.ChunkedLaunch(*launch).chunk if form == "chunked" else 1
+                choice = planner.Choice(form, chunk, "recomputed for the backward")
                 o, ht = self._run_torch(call, choice, **args, output_final_state=True)
                 outs, douts = [o], [grads[0]]
                 if output_final_state and grads[1] is not None and grads[1].numel():
@@ -301,14 +307,22 @@ class Op:
         if self._kernels is None:
             self._kernels = kernels_for(self)
         module = self._kernels
+        form, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
         if not self.spec.is_linear:
-            o, lse = module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len)
+            o, lse = module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len, launch)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
         omega = self.features(call.head_dim, q.device, torch.float32)
-        form, chunk = kernel_form(self.spec, choice, call)
-        o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, chunk,
+        o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, launch,
                           bool(output_final_state))
         return o, (ht if output_final_state else None)
+
+
+def check_call(op: Op, inputs: Mapping[str, Any]) -> Call:
+    """The checked call (shapes, lengths) of an op on inputs in the op's signature."""
+    q, k, v, g, cu = inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("cu_seqlens")
+    if op.spec.is_linear:
+        return check_linear(op.spec, q, k, v, g, inputs.get("beta"), None, inputs.get("initial_state"), cu)
+    return check_softmax(op.spec, q, k, v, g, None, cu)
 
 
 def lse_layout(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
@@ -317,25 +331,30 @@ def lse_layout(lse: torch.Tensor, varlen: bool) -> torch.Tensor:
     return lse.transpose(0, 1)[None] if varlen else lse.transpose(1, 2)
 
 
-# Chunk sizes of the chunked kernel.
-KERNEL_CHUNKS = (16, 32, 64)
+def kernel_launch(spec: Spec, choice: planner.Choice, call: Call, device: torch.device,
+                  dtype: torch.dtype) -> tuple[str, list[int]]:
+    """The kernel form serving a choice (planner.kernel_form) and its launch knobs on a device as the
+    generated op takes them (planner.Launch.ints; attngen.tuning: a tuned table's, else the planner's
+    defaults; [] for kernels without knobs)."""
+    form, chunk = planner.kernel_form(spec, choice, call)
+    family = planner.launch_family(spec, form)
+    return form, list(tuning.launch_ints(spec, family, call, dtype, device, chunk)) if family is not None else []
 
 
-def kernel_form(spec: Spec, choice: planner.Choice, call: Call) -> tuple[str, int]:
-    """The kernels serve recurrent, chunked and bidirectional; the parallel form of a causal
-    linear spec runs as one chunk of the chunked kernel (up to the largest chunk)."""
-    if spec.mask == "bidirectional":
-        return "parallel", 1
-    if choice.form == "parallel":
-        return "chunked", min(KERNEL_CHUNKS[-1], max(KERNEL_CHUNKS[0], 1 << (call.max_len - 1).bit_length()))
-    if choice.form == "chunked":
-        if choice.chunk not in KERNEL_CHUNKS:
-            raise ValueError(f"chunk_size: the Triton kernels take {', '.join(map(str, KERNEL_CHUNKS))}, "
-                             f"got {choice.chunk}")
-    return choice.form, choice.chunk
+# Where SoftmaxLaunch.ints() holds BN (read here, not while torch.compile traces a call).
+_SOFTMAX_BN = planner.SoftmaxLaunch.knobs().index("BN")
 
 
-def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str) -> str:
+def cache_launch(spec: Spec, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
+    """The softmax kernels' launch knobs for a call on a key/value cache of `rows` rows per slot: a
+    query block reads at most rows + BN - 1 of them (a sliding window's first tile starts up to
+    BN - 1 keys before the window), which the split of the keys counts."""
+    BN = tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows)[_SOFTMAX_BN]
+    return list(tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows + BN))
+
+
+def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str, device: torch.device | str = "cpu",
+            dtype: torch.dtype = torch.float32) -> str:
     """What a call runs, in words: the PyTorch form (and chunk), or the kernel serving its form."""
     if backend_name == "torch":
         return f"{choice.form} C={choice.chunk}" if choice.form == "chunked" else choice.form
@@ -343,8 +362,8 @@ def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str) -
         return "softmax kernel"
     if spec.mask == "bidirectional":
         return "bidirectional kernel"
-    form, chunk = kernel_form(spec, choice, call)
-    return f"{form} kernel C={chunk}" if form == "chunked" else f"{form} kernel"
+    form, launch = kernel_launch(spec, choice, call, torch.device(device), dtype)
+    return f"{form} kernel C={planner.ChunkedLaunch(*launch).chunk}" if form == "chunked" else f"{form} kernel"
 
 
 def _kernels_possible() -> bool:

@@ -292,6 +292,7 @@ class DecodeStep:
             self._run = module.recurrent_launch(N, T, H, K, V, cache.feature_dim, N, False, True, True, True)
         elif module is not None:
             self._run = module.cached_forward
+            self._launch = op.cache_launch(call, cache.k.shape[1], device, dtype)
 
     def _check_inputs(self, inputs: dict, scale) -> Call:
         if self.op.spec.is_linear:
@@ -317,7 +318,8 @@ class DecodeStep:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
             return self.op(q, k, v, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
-            return self._run(q, k, v, cache.k, cache.v, cache.lengths, slots, None, self.scale, self.tokens)
+            return self._run(q, k, v, cache.k, cache.v, cache.lengths, slots, None, self.scale, self.tokens,
+                             self._launch)
         state = cache.state
         self._run(q, k, v, g, beta, self._omega, state, self.out, state, None, slots, cache.num_slots, self.scale)
         return self.out

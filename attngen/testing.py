@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .reference import reference
 from .spec import Spec
@@ -67,6 +68,68 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
         t = t.to(device)
         out[name] = t.to(dtype) if t.is_floating_point() and name in ("q", "k", "v") else t
     return out
+
+
+def kernel_launch(op, inputs: dict, form: str | None = None, chunk_size: int | None = None) -> tuple[str, list[int]]:
+    """(kernel form, launch ints) that the op's kernels take for a call on inputs (the generated
+    module's `form` and `launch` arguments), for tests that call a module's launchers directly."""
+    from .runtime import check_call, kernel_launch as launch_of
+    call = check_call(op, inputs)
+    return launch_of(op.spec, op.choose(call, form, chunk_size), call, inputs["q"].device, inputs["q"].dtype)
+
+
+def parse_shape(text: str) -> Shape:
+    """B,T,H,K,V[,Tq[,H_kv]] -> a Shape: T the keys' length (and the queries' unless Tq is given:
+    decode is Tq 1), H_kv the key / value heads (grouped-query softmax)."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (5, 6, 7) or min(sizes) < 1:
+        raise ValueError(f"--shapes: expected B,T,H,K,V[,Tq[,H_kv]] (positive integers), got {text!r}")
+    B, T, H, K, V = sizes[:5]
+    Tq = sizes[5] if len(sizes) > 5 else T
+    Hkv = sizes[6] if len(sizes) > 6 else H
+    if Tq > T:
+        raise ValueError(f"--shapes: Tq = {Tq} must be at most T = {T} (queries align to the end of the keys), "
+                         f"in {text!r}")
+    if H % Hkv:
+        raise ValueError(f"--shapes: H_kv = {Hkv} must divide H = {H}, in {text!r}")
+    return Shape(batch=B, q_len=Tq, heads=H, head_dim=K, value_dim=V, k_len=T if T != Tq else None,
+                 kv_heads=Hkv if Hkv != H else None)
+
+
+def format_shape(shape: Shape) -> str:
+    """parse_shape's inverse."""
+    T = shape.k_len or shape.q_len
+    text = f"{shape.batch},{T},{shape.heads},{shape.head_dim},{shape.value_dim}"
+    if shape.q_len != T or shape.kv_heads:
+        text += f",{shape.q_len}"
+    return text + (f",{shape.kv_heads}" if shape.kv_heads else "")
+
+
+def bench_inputs(spec: Spec, shape: Shape, dtype: torch.dtype, device, seed: int = 0,
+                requires_grad: bool = False) -> dict:
+    """Random inputs of a spec's op for timing (`attngen bench`, `attngen tune`), drawn on the device
+    (long sequences need no host copy, unlike random_inputs): q, k, v standard normal in dtype; log
+    decays logsigmoid(x + 3) (mild, as trained gates are) in float32, a constant one from -0.01 to
+    -0.2 over the heads; beta sigmoid(x) in dtype."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    B, Tq, H, K, V = shape.batch, shape.q_len, shape.heads, shape.head_dim, shape.value_dim
+    T, Hkv = shape.k_len or Tq, shape.kv_heads or H
+    t = {"q": rnd(B, Tq, H, K).to(dtype), "k": rnd(B, T, Hkv, K).to(dtype), "v": rnd(B, T, Hkv, V).to(dtype)}
+    if spec.decay == "scalar":
+        t["g"] = F.logsigmoid(rnd(B, T, H) + 3)
+    elif spec.decay == "vector":
+        t["g"] = F.logsigmoid(rnd(B, T, H, K) + 3)
+    elif spec.decay == "constant":
+        t["g"] = -torch.linspace(0.01, 0.2, H, device=device)
+    if spec.is_linear and spec.update == "delta":
+        t["beta"] = torch.sigmoid(rnd(B, T, H)).to(dtype)
+    for x in t.values():
+        x.requires_grad_(requires_grad)
+    return t
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:

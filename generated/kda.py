@@ -18,6 +18,7 @@ Importing this module registers, with their autograd:
   below; a second spec named kda in one process keeps only its hashed op (a warning says so).
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
+import collections
 import functools
 import os
 import sys
@@ -1033,17 +1034,6 @@ def chunked_dot_precision(dtype):
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
 
 
-# Shared memory a loop's software pipeline may fill with prefetched tiles (an H100 / H200 block
-# has 227 KiB; the rest is left to the dots' operand staging).
-PIPELINE_BYTES = 160 * 1024
-
-
-def pipeline_stages(stage_bytes):
-    """num_stages for a loop that loads stage_bytes of tiles per iteration: Triton keeps one copy
-    of them in shared memory per stage (at most 3 stages, at least 1: no prefetch)."""
-    return max(1, min(3, PIPELINE_BYTES // stage_bytes))
-
-
 def chunk_slots(cu_seqlens, B, T, chunk):
     """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
     chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
@@ -1069,65 +1059,36 @@ def chunked_dims(q, v, omega):
     return B, T, H, K, V, F, V
 
 
-def chunked_blocks(K, V, F):
+# The launch knobs of a call (chunk, tile sizes, warps, stages, registers) as the op takes them, a
+# list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
+# or its defaults, and why) and the launchers below only read them.
+ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
+    "chunk BV prepare_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "bwd_chunk bwd_warps bwd_stages bwd_ds_stages"  # bwd
+))
+
+
+def chunked_launch(launch):
+    """The op's launch list as named knobs (ChunkedLaunch), its chunks checked."""
+    if len(launch) != len(ChunkedLaunch._fields):
+        raise ValueError(f"launch: expected {len(ChunkedLaunch._fields)} ints ({', '.join(ChunkedLaunch._fields)}), "
+                         f"got {list(launch)!r}")
+    launch = ChunkedLaunch(*launch)
+    chunked_check_chunk(launch.chunk)
+    chunked_check_chunk(launch.bwd_chunk)
+    return launch
+
+
+def chunked_blocks(K, F, launch):
     """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
     # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    # the state block [BF, BV] and the [BT, BF] tiles share the registers: narrower value blocks for wide features
-    BV = max(16, min(triton.next_power_of_2(V), 64 if BF <= 64 else 32))
-    return BK, BF, BV
-
-
-def chunked_warps(dtype):
-    """Warps of the chunked forward's passes. Four for fp32 and fp16 inputs (tf32 dots): two (64
-    threads) holding a 64-token chunk's [64, 128] float32 tiles spilled registers and compiled 3x
-    slower. Two for bf16: with four, Triton 3.6 miscompiled the 64-row wgmma dots of 16-bit
-    operands on the H200 at K = V = 128 (wrong outputs, illegal addresses; BENCHMARKS.md)."""
-    return 2 if dtype == torch.bfloat16 else 4
-
-
-def chunked_launch(step, dtype, K, V, F):
-    """(BV, warps) of one forward step: "prepare" (the chunk-parallel UT step; BV
-    unused), "states" (the sequential pass) or "output"."""
-    _, BF, BV = chunked_blocks(K, V, F)
-    if dtype == torch.bfloat16 and BF <= 128:
-        # bf16 at K = V = 128 on the H200 (bench/tune_chunked.py, BENCHMARKS.md 2026-12-01): four warps,
-        # the state pass by 64-value blocks and the output pass by 128 (against two warps and 32) took
-        # gated_deltanet's passes from 536 and 858 us to 357 and 337, gla's forward from 9.24 to 3.09 ms.
-        widths = dict(prepare=BV, states=min(64, max(16, triton.next_power_of_2(V))),
-                      output=min(128, max(16, triton.next_power_of_2(V))))
-        return widths[step], 4
-    return BV, chunked_warps(dtype)
-
-
-# Registers per thread of every chunked kernel: all a Hopper thread has, stated rather than left to
-# ptxas. Without .maxnreg, ptxas -O3 allotted some of them 32 registers and spilled the rest: kda
-# bf16 at K = V = 128, 34,280 B in the forward's state pass; the delta-rule backward, 81,948 B in
-# fp32 (bench/compile_time.py).
-MAXNREG = 255
-
-# The chunked backward: four warps and at most 32-token chunks (it recomputes its states, so its
-# chunk need not be the forward's). kda fp32 at K = V = 128:
-# - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran out of
-#   local memory for them;
-# - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
-# - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots have
-#   32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
-CHUNKED_BWD_WARPS = 4
-CHUNKED_BWD_MAX_CHUNK = 32
+    return max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F)), launch.BV
 
 
 def chunked_check_chunk(chunk):
     """The chunk sizes the chunked kernels take (their UT transform works in 16-token blocks)."""
     if chunk not in (16, 32, 64):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
-
-
-def chunked_fwd_chunk(chunk, dtype, BF):
-    """The forward's chunk: at most 32 tokens for float32 inputs with over 128 feature lanes. At 64,
-    the output pass's tf32x3 dots of [64, 256] tiles asked for 262,144 B of shared memory (the H200
-    has 232,448; bench/compile_time.py); the outputs do not depend on the chunk."""
-    return min(chunk, 32) if dtype == torch.float32 and BF > 128 else chunk
 
 
 def chunked_pass_dtype(dtype):
@@ -1152,17 +1113,17 @@ class ChunkedStates(NamedTuple):
     n_slots: int
 
 
-def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state, state_indices=None):
+def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
+                   state_indices=None):
     """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
-    Shared by the forward and the backward; kr, w and u are in chunked_pass_dtype.
+    Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
+    the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF, BV = chunked_blocks(K, V, F)
-    _, prepare_warps = chunked_launch("prepare", q.dtype, K, V, F)
-    BVS, states_warps = chunked_launch("states", q.dtype, K, V, F)
+    BK, BF, BV = chunked_blocks(K, F, launch)
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
@@ -1173,43 +1134,39 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, ou
     gc = torch.empty(n_slots, H, F, **f32)
     chunked_ut_kernel[(n_slots, H)](
         k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, num_warps=prepare_warps, maxnreg=MAXNREG, **meta,
+        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, num_warps=launch.prepare_warps, maxnreg=launch.maxnreg, **meta,
     )
-    # the tiles one chunk loads: W, the keys transposed and U0, Γ_C [BF] float32
-    stage_bytes = chunk * (2 * BF + BVS) * w.element_size() + BF * 4
     h = torch.empty(n_slots, H, F, VS, **f32)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, BVS))](
+    chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
         k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
         T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
-        BV=BVS, num_warps=states_warps, maxnreg=MAXNREG, num_stages=pipeline_stages(stage_bytes), **meta,
+        BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
     )
     return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
-def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state,
+def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
                 state_indices=None):
-    """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, chunk 16, 32 or 64
+    """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, launch a ChunkedLaunch
     -> o like v, final state [N, H, F, VS] float32 (or None; the cache, with state_indices: see
     chunked_states)."""
-    chunked_check_chunk(chunk)
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
-    BK, BF, _ = chunked_blocks(K, V, F)
-    BV, warps = chunked_launch("output", q.dtype, K, V, F)
-    chunk = chunked_fwd_chunk(chunk, q.dtype, BF)
-    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state,
-                        state_indices=state_indices)
+    BK, BF, _ = chunked_blocks(K, F, launch)
+    BV, chunk = launch.output_BV, launch.chunk
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
+                        output_final_state, state_indices=state_indices)
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=warps, maxnreg=MAXNREG,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
@@ -1937,12 +1894,11 @@ def chunked_bwd_wy_kernel(
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht):
-    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None ->
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
-    chunked_check_chunk(chunk)
-    # at most 32-token chunks whatever the forward's: the backward recomputes its states (CHUNKED_BWD_MAX_CHUNK)
-    chunk = min(chunk, CHUNKED_BWD_MAX_CHUNK)
+    # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
+    chunk = launch.bwd_chunk
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = g.contiguous() if g is not None else None
     beta = beta.contiguous()
@@ -1951,14 +1907,15 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     B, T, H, K, V, F, _ = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF, BV = chunked_blocks(K, V, F)
+    BK, BF, BV = chunked_blocks(K, F, launch)
     # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, Γ_C, (I + A)^-1
-    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, output_final_state=False)
+    st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
+                        output_final_state=False)
     f32 = dict(device=q.device, dtype=torch.float32)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
     meta = dict(BT=chunk, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=CHUNKED_BWD_WARPS, maxnreg=MAXNREG)
+                num_warps=launch.bwd_warps, maxnreg=launch.maxnreg)
     # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4, 43 KB and 98 KB in step 5, whose fp32 dots stage 98 KB with one stage already)
@@ -1969,14 +1926,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
         q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
-    # step 3: the state gradient per chunk, dU, dh0. The tiles one chunk loads: the decayed keys, the
-    # queries and W transposed, dU and do
+    # step 3: the state gradient per chunk, dU, dh0 (its stages from the tiles one chunk loads:
+    # planner.delta_bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, **f32)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    stage_bytes = chunk * (3 * BF * du.element_size() + BV * (du.element_size() + do.element_size()))
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
         st.w, st.kr, qg, st.gc, do, dht, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, F,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=pipeline_stages(stage_bytes), **meta,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
     # step 4: dq; step 4's dk̂ and decay gradient
     dq = torch.empty_like(q)
@@ -1998,9 +1954,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state,
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
             state_indices=None):
-    """Run the kernels of one form. Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -2011,22 +1968,22 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chu
     if form == "recurrent":
         return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
                              state_indices)
-    return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, output_final_state,
-                       state_indices)
+    return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
+                       output_final_state, state_indices)
 
 
 @torch.library.custom_op("attngen::kda_782f2ff1584ebf0f", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, chunk: int, output_final_state: bool,
+    scale: float, form: str, launch: list[int], output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state)
+    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state)
     return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
     B, T, H, K = q.shape
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -2039,15 +1996,15 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, ou
 def cached_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], state: torch.Tensor, slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, chunk: int,
+    scale: float, form: str, launch: list[int],
 ) -> torch.Tensor:
     # A serving call (attngen.StateCache): sequence n starts from row slots[n] of state [S, H, F, VS]
     # float32 and its final state is written back there, in place; inference only (no autograd).
-    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, chunk, True, slots)[0]
+    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, launch, True, slots)[0]
 
 
 @cached_op.register_fake
-def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, chunk):
+def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
     return torch.empty_like(v)
 
 
@@ -2061,28 +2018,28 @@ BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, chunk: int, do: torch.Tensor, dht: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int], do: torch.Tensor, dht: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
-        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunk, do, dht)
+        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), do, dht)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, do, dht):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None)."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk,
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
                                              do.contiguous(), dht)
     present = lambda gr, t: gr if t is not None else None
     return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None

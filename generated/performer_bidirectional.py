@@ -587,9 +587,10 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and bidirectional (state, then readout).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state,
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
             state_indices=None):
-    """Run the kernels of one form. Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    """Run the kernels of one form (launch: [], these kernels take no launch knobs). Returns
+    (o [B, T, H, V], final state [N, H, F, Vs] or None).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -607,14 +608,14 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chu
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, chunk: int, output_final_state: bool,
+    scale: float, form: str, launch: list[int], output_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state)
+    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state)
     return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
 
 
 @op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
     B, T, H, K = q.shape
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -633,7 +634,7 @@ BACKWARD_FORMS = RECURRENT_BACKWARD
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, chunk: int, do: torch.Tensor, dht: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int], do: torch.Tensor, dht: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
     if form == "recurrent":
@@ -645,16 +646,16 @@ def backward_op(
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, do, dht):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None)."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, chunk,
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
                                              do.contiguous(), dht)
     present = lambda gr, t: gr if t is not None else None
     return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None

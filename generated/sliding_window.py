@@ -19,6 +19,7 @@ Importing this module registers, with their autograd:
   Called with the keyword return_lse, it runs its overload .lse: (o, lse), lse empty for False.
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
+import collections
 import functools
 import os
 import sys
@@ -274,47 +275,35 @@ def packed_max_len(cu_seqlens, max_len):
     return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def softmax_fwd_config(BK, BV, size, max_len):
-    """(BM, BN, num_warps, num_stages, last_first) of the forward: query rows per program, keys per
-    tile, warps, software-pipeline stages, and whether a head's last query block launches first
-    (2.49 against 2.66 ms; tune_softmax.py --configs). The query tile within 32 KiB and a stage of
-    key + value tiles within 64 KiB of shared memory; rows capped by the longest sequence. 16-bit
-    inputs up to 128 lanes: 64 x 64 tiles, four warps, three stages, the fastest of 36
-    configurations on the H200 (softmax_causal B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms
-    at eight warps and two stages; bench/tune_softmax.py, BENCHMARKS.md)."""
-    BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), max(16, triton.next_power_of_2(max_len)))
-    BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
-    if size == 2 and max(BK, BV) <= 128:
-        return BM, BN, 4, 3, True
-    return BM, BN, 4 if max(BK, BV) <= 64 else 8, 2, True
+# The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
+# backward's passes) as the op takes them, a list of ints in this order: attngen's planner decides
+# them (planner.SoftmaxLaunch: a tuned table's or its defaults, and why) and the launchers only read them.
+SoftmaxLaunch = collections.namedtuple("SoftmaxLaunch", (
+    "BM BN warps stages last_first kv_splits "  # fwd
+    "dq_BM dq_BN dq_warps dq_stages dkdv_BN dkdv_BM dkdv_warps dkdv_stages"  # bwd
+))
 
 
-def softmax_kv_splits(programs, Tk, BN, sms):
-    """(splits, keys per split) of the forward's keys. Split-KV (flash-decoding) when the query
-    blocks give fewer programs than the GPU has multiprocessors (decode: a few queries against a
-    long cache): enough splits of at least two key tiles each for two programs per multiprocessor."""
-    splits = min(triton.cdiv(2 * sms, programs), triton.cdiv(Tk, 2 * BN)) if programs < sms else 1
+def softmax_launch(launch):
+    """The op's launch list as named knobs (SoftmaxLaunch)."""
+    if len(launch) != len(SoftmaxLaunch._fields):
+        raise ValueError(f"launch: expected {len(SoftmaxLaunch._fields)} ints ({', '.join(SoftmaxLaunch._fields)}), "
+                         f"got {list(launch)!r}")
+    return SoftmaxLaunch(*launch)
+
+
+def softmax_kv_split_len(Tk, splits, BN):
+    """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
     if splits <= 1:
         return 1, Tk
     split_len = triton.cdiv(triton.cdiv(Tk, splits), BN) * BN
     return triton.cdiv(Tk, split_len), split_len
 
 
-def multiprocessors(device):
-    """Streaming multiprocessors of a CUDA device (32 for the interpreter: small tests split the keys)."""
-    if device.type != "cuda":
-        return 32
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None, kv_slots=None, kv_lens=None):
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, kv_lens=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
-    dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with cu_seqlens)
+    dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with
+    cu_seqlens, or None: read from it; launch a SoftmaxLaunch)
     -> o [B, Tq, H, V] and lse [B, H, Tq] ([H, total] with cu_seqlens), the natural-log
     log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
     the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
@@ -335,14 +324,14 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None, kv_slots=None, kv_l
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    BM, BN, warps, stages, last_first = softmax_fwd_config(BK, BV, q.element_size(), max_len)
+    BM, BN = launch.BM, launch.BN
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
-    programs = triton.cdiv(max_len, BM) * N * H
     # the keys a query block reads: Tk; from a cache of L = Tk rows per slot, at most L + BN - 1 (a
     # sliding window's first tile starts up to BN - 1 keys before the window)
     span = Tk + BN if kv_slots is not None else Tk
-    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_splits(programs, span, BN, multiprocessors(q.device))
+    # the split forward reads dense sequences: packed ones are not split
+    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_split_len(span, launch.kv_splits, BN)
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
@@ -354,7 +343,8 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len=None, kv_slots=None, kv_l
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
         DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        LAST_FIRST=last_first, KV_CACHE=kv_slots is not None, num_warps=warps, num_stages=stages,
+        LAST_FIRST=bool(launch.last_first), KV_CACHE=kv_slots is not None, num_warps=launch.warps,
+        num_stages=launch.stages,
     )
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
@@ -405,10 +395,11 @@ def kv_append_kernel(
         tl.store(kv_lens + i_slot, (b_len + T_seq).to(kv_lens.dtype.element_ty))
 
 
-def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len=None):
+def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
     """A serving call: the new keys and values k, v [B, T, HK, *] (T == Tq) appended to each
     sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
-    advanced by each sequence's length), then its queries attend to the slot's keys -> o, lse."""
+    advanced by each sequence's length), then its queries attend to the slot's keys (launch a
+    SoftmaxLaunch) -> o, lse."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -420,7 +411,7 @@ def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens,
         k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, k_cache.shape[0], k_cache.shape[1], KC, VC,
         BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4,
     )
-    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, kv_slots, kv_lens)
+    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, launch, kv_slots, kv_lens)
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
 #   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
@@ -725,28 +716,11 @@ def softmax_bwd_dkdv_kernel(
     tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
 
-def softmax_bwd_config(kernel, max_len, BK, BV, size, acc_size):
-    """(program block, inner tile, num_warps, num_stages) of a backward kernel ("dq": query blocks,
-    key tiles; "dkdv": key blocks, query tiles). A program's block holds its resident tiles and
-    two float32 (float64) accumulators of BK + BV columns within 64 KiB of registers; a stage of
-    the inner tiles it streams (BK + BV columns in the input dtype) within 32 KiB of shared memory.
-    16-bit inputs up to 128 lanes take the fastest of 36 configurations per kernel on the H200
-    (softmax_causal B4 T8192 H16 D128 bf16; bench/tune_softmax.py --bwd, BENCHMARKS.md): dq 128-query
-    blocks and 128-key tiles at eight warps, dk/dv 64-key blocks and 64-query tiles at four warps,
-    two stages each (forward + backward 11.2 ms, from 19.9 ms)."""
-    cap = max(16, triton.next_power_of_2(max_len))
-    if size == 2 and max(BK, BV) <= 128:
-        block, tile, warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
-        return min(block, cap), min(tile, cap), warps, 2
-    block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc_size))))
-    tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
-    return block, tile, 8 if block * (BK + BV) > 4096 else 4, 2
-
-
-def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
-    """Launch the backward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] (HK dividing H),
-    g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's [B, H, Tq] ([H, total]
-    packed) and dlse its gradient (contiguous, or None) -> dq, dk, dv, dg (None without decay)."""
+def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
+    """Launch the backward (launch a SoftmaxLaunch). q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V]
+    (HK dividing H), g [B, Tk, H] or None, o and do [B, Tq, H, V] (all contiguous), lse the forward's
+    [B, H, Tq] ([H, total] packed) and dlse its gradient (contiguous, or None) -> dq, dk, dv, dg (None
+    without decay)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -764,7 +738,6 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     dot_precision = "ieee" if q.element_size() >= 4 or upcast_dot else "tf32"
     BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
-    size, acc_size = q.element_size(), (8 if is_fp64 else 4)
 
     # 1. delta and lse2, [B, H, Tq] ([H, T] packed)
     delta = q.new_empty(lse.shape, dtype=acc)
@@ -775,25 +748,25 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
         num_warps=4)
 
     # 2. dq: query blocks of BM, key tiles of BN
-    BM, BN, warps, stages = softmax_bwd_config("dq", max_q, BK, BV, size, acc_size)
+    BM, BN = launch.dq_BM, launch.dq_BN
     dq = q.new_empty(q.shape)
     softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM) * N * H,)](
         q_in, k, v, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_q, BM),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=warps, num_stages=stages,
+        num_warps=launch.dq_warps, num_stages=launch.dq_stages,
     )
 
     # 3. dk, dv: key blocks of BN, query tiles of BM
-    BN, BM, warps, stages = softmax_bwd_config("dkdv", max_k, BK, BV, size, acc_size)
+    BN, BM = launch.dkdv_BN, launch.dkdv_BM
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN) * N * HK,)](
         q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_k, BN),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=warps, num_stages=stages,
+        num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,
     )
     if is_fp64:
         # dq = scale dS k; dk = scale dS^T q = dS^T q_in / log2(e)
@@ -810,15 +783,16 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
 @torch.library.custom_op("attngen::sliding_window_35bf553ab63166fa_softmax_bwd", mutates_args=())
 def softmax_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], o: torch.Tensor, lse: torch.Tensor,
-    do: torch.Tensor, dlse: Optional[torch.Tensor],
+    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor,
+    lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
+                                        dlse)
     return dq, dk, dv, dg if dg is not None else q.new_empty(0)
 
 
 @softmax_bwd_op.register_fake
-def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
+def _(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), \
         torch.empty_like(g) if g is not None else q.new_empty(0)
 
@@ -826,16 +800,16 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
 SOFTMAX_BACKWARD = ("parallel",)
 
 
-def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None, dlse=None):
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse=None):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
-    decay, None for cu_seqlens). lse is the forward's [B, H, Tq] ([H, total] packed), dlse the
-    gradient of a loss on it (None: none); max_len the longest packed sequence (read from
-    cu_seqlens when None)."""
+    decay, None for cu_seqlens). max_len the longest packed sequence (read from cu_seqlens when
+    None); launch the op's launch ints (SoftmaxLaunch); lse is the forward's [B, H, Tq] ([H, total]
+    packed), dlse the gradient of a loss on it (None: none)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     dlse = dlse.contiguous() if dlse is not None else None
-    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse)
+    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, list(launch), o, lse, do, dlse)
     return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
@@ -843,25 +817,26 @@ def softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len=None, dlse=No
 # the log-sum-exp of each query's scores, which the backward reuses and differentiates
 # (return_lse hands it to the caller).
 
-def forward(q, k, v, g, cu_seqlens, scale, max_len):
-    """Run the forward kernel (max_len: the longest packed sequence, with cu_seqlens). Returns
+def forward(q, k, v, g, cu_seqlens, scale, max_len, launch):
+    """Run the forward kernel (max_len: the longest packed sequence, with cu_seqlens; launch: the
+    launch knobs, SoftmaxLaunch's ints). Returns
     o [B, Tq, H, V] and lse [B, H, Tq] ([H, T] packed; float32, float64 for float64 inputs)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    return softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len)
+    return softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch))
 
 
 @torch.library.custom_op("attngen::sliding_window_35bf553ab63166fa", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
+    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int, launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, g, cu_seqlens, scale, max_len)
+    return forward(q, k, v, g, cu_seqlens, scale, max_len, launch)
 
 
 @op.register_fake
-def _(q, k, v, g, cu_seqlens, scale, max_len):
+def _(q, k, v, g, cu_seqlens, scale, max_len, launch):
     B, Tq, H, _ = q.shape
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
@@ -872,32 +847,34 @@ def _(q, k, v, g, cu_seqlens, scale, max_len):
 def cached_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kv_lens: torch.Tensor, kv_slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
+    launch: list[int],
 ) -> torch.Tensor:
     # A serving call (attngen.StateCache): each sequence's new keys and values appended to its slot
     # kv_slots[n] of the cache, in place, and its queries attending to the slot; no autograd.
-    return cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len)
+    return cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch)
 
 
 @cached_op.register_fake
-def _(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len):
+def _(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
     return v.new_empty(*q.shape[:3], v.shape[-1])
 
 
-def cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len):
-    """The serving call's kernels (softmax_cached_fwd) -> o [B, Tq, H, V]."""
+def cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """The serving call's kernels (softmax_cached_fwd; launch the op's launch ints) -> o [B, Tq, H, V]."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    return softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len)[0]
+    return softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                              softmax_launch(launch))[0]
 
 
 # ---------------------------------------------------------------------------- the backward
 BACKWARD_FORMS = SOFTMAX_BACKWARD
 
 
-def backward(q, k, v, g, cu_seqlens, scale, max_len, o, lse, do, dlse):
+def backward(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
     """Gradients of one call, of a loss on o and on lse: (dq, dk, dv, dg, None) in the op's
     input order."""
-    return softmax_bwd(q, k, v, g, cu_seqlens, scale, o, lse, do, max_len, dlse)
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse)
 
 
 # ---------------------------------------------------------------------------- autograd

@@ -1,6 +1,7 @@
 """attngen's command line: start-up cost (--help and --version import no torch), --version,
-`check` (backend and form per row, every spec reported, kernels tested in float32) and
-`explain` (the backend that runs)."""
+`check` (backend and form per row, every spec reported, kernels tested in float32), `explain`
+(the backend that runs, the kernels' launch) and `tune` / `bench` (without a GPU: one line and a
+non-zero exit; their argument errors; bench on Triton's interpreter)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import attngen
+from attngen.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +24,7 @@ def run_python(code: str, env: dict | None = None) -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["check", "--help"], ["explain", "--help"],
-                                  ["compile", "--help"]])
+                                  ["compile", "--help"], ["tune", "--help"], ["bench", "--help"]])
 def test_help_and_version_import_no_torch(argv):
     out = run_python(
         "import sys\n"
@@ -111,3 +113,62 @@ def test_explain_names_the_backend_of_this_machine(tmp_path):
            "interpreter on the CPU)" in tail, out.stdout
     assert "float64 inputs: torch, chunked C=64 (float64 inputs of linear attention run the PyTorch forms: " \
            "the linear kernels compute in float32" in tail, out.stdout
+    assert "chunked kernel launch, float32: chunk=64 BV=16 prepare_warps=4 states_BV=16 states_warps=4" in out.stdout, \
+        out.stdout
+
+
+# --------------------------------------------------------------------------- tune and bench
+
+@pytest.mark.parametrize("argv", [["tune", "specs/gated_deltanet.yaml"],
+                                  ["bench", "specs/gated_deltanet.yaml", "--shapes", "1,64,2,16,16"]])
+def test_tune_and_bench_without_a_gpu_say_so_in_one_line(argv, monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.delenv("ATTNGEN_BACKEND", raising=False)
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith(f"attngen {argv[0]}: no CUDA GPU here (torch.cuda.is_available() is False)"), out.err
+    assert len(out.err.strip().splitlines()) == 1 and not out.out
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["tune", "specs/gla.yaml", "--shapes", "4,8192,16"], "argument --shapes: expected B,T,H,K,V[,Tq[,H_kv]]"),
+    (["tune", "specs/gla.yaml", "--shapes", "1,8,2,4,4,9"], "Tq = 9 must be at most T = 8"),
+    (["tune", "specs/gla.yaml", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["bench", "specs/gla.yaml", "--vs", "fla,xformers"], "argument --vs: xformers is not a baseline; allowed: fla, "
+                                                          "sdpa, flex"),
+    (["bench", "specs/gla.yaml", "--shapes", "1,8,6,4,4,8,4"], "H_kv = 4 must divide H = 6"),
+])
+def test_tune_and_bench_argument_errors(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_tune_and_bench_name_a_bad_spec_before_anything_runs(command, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nattention: linear\ndecay: scaler\n")
+    assert main([command, "specs/gla.yaml", str(bad)]) == 2
+    assert f"{bad}:3: field 'decay': value 'scaler' is not allowed" in capsys.readouterr().err
+
+
+def test_bench_on_the_interpreter(tmp_path):
+    """ATTNGEN_BACKEND=triton on Triton's interpreter: attngen and SDPA on the same inputs, their
+    outputs compared; a linear spec's fla baseline says why it is skipped where fla is missing;
+    a decode shape is skipped for the linear spec, with the reason."""
+    out = run_cli(["bench", "specs/softmax_causal.yaml", "specs/mamba2.yaml", "--shapes", "1,40,2,16,16",
+                   "1,40,2,16,16,1", "--vs", "sdpa,fla", "--dtype", "float32"], "triton", tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {(r.split()[0], r.split()[1], r.split()[3]): r for r in out.stdout.splitlines()
+            if r.split() and r.split()[0] in ("softmax_causal", "mamba2")}
+    assert set(rows) >= {("softmax_causal", "1,40,2,16,16", "attngen"), ("softmax_causal", "1,40,2,16,16", "SDPA"),
+                         ("softmax_causal", "1,40,2,16,16,1", "SDPA"), ("mamba2", "1,40,2,16,16", "attngen"),
+                         ("mamba2", "1,40,2,16,16", "fla"), ("mamba2", "1,40,2,16,16,1", "attngen")}, out.stdout
+    for shape in ("1,40,2,16,16", "1,40,2,16,16,1"):
+        assert float(rows["softmax_causal", shape, "SDPA"].split()[-1]) < 1e-5, out.stdout
+    assert "skipped: Tq and H_kv are for softmax specs" in rows["mamba2", "1,40,2,16,16,1", "attngen"]
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        assert "fla baselines skipped: flash-linear-attention is not installed" in out.stdout

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
-from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error, tolerance
+from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, tolerance
 from attngen.reference import random_features, reference
 
 import specs
@@ -157,12 +157,23 @@ def test_every_output_element_written(name, poison_fresh_buffers):
 
 
 def test_chunk_size_checked():
+    """The generated op checks the chunks of the launch it is given (the UT transform works in
+    16-token blocks) and its length."""
     op = attngen.load(SPECS["mamba2"])
     module = codegen.load_module(op.spec)
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=8, heads=1, head_dim=8, value_dim=6))
-    with pytest.raises(ValueError, match="chunk"):
-        module.chunked_fwd(inputs["q"].float(), inputs["k"].float(), inputs["v"].float(), inputs["g"], None,
-                           None, None, None, 1.0, 8, False)
+    q, k, v = (inputs[n].float() for n in ("q", "k", "v"))
+    launch = kernel_launch(op, {**inputs, "q": q, "k": k, "v": v}, "chunked", 16)[1]
+    fields = list(module.ChunkedLaunch._fields)
+    for name, value in (("chunk", 8), ("bwd_chunk", 128)):
+        bad = list(launch)
+        bad[fields.index(name)] = value
+        with pytest.raises(ValueError, match=f"chunk.*got {value}"):
+            module.op(q, k, v, inputs["g"], None, None, None, None, 1.0, "chunked", bad, False)
+    with pytest.raises(ValueError, match=f"launch: expected {len(fields)} ints"):
+        module.op(q, k, v, inputs["g"], None, None, None, None, 1.0, "chunked", launch[:-1], False)
+    with pytest.raises(ValueError, match="chunk_size: the Triton kernels take 16, 32, 64, got 8"):
+        op(q, k, v, inputs["g"], form="chunked", chunk_size=8)
 
 
 CHUNKED_SHAPES = [Shape(2, 37, 2, 5, 3), Shape(1, 40, 1, 8, 12),

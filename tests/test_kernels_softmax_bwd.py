@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen
-from attngen.testing import LOWP_FLOOR, Shape, compare, outputs_and_grads, random_inputs, rel_error, tolerance
+from attngen.testing import (LOWP_FLOOR, Shape, compare, kernel_launch, outputs_and_grads, random_inputs, rel_error,
+                             tolerance)
 
 from specs import SOFTMAX as SPECS
 
@@ -164,24 +165,25 @@ def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
     call's, and its gradient flows through the backward."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
-    real, splits = module.softmax_kv_splits, []
+    real, splits = module.softmax_kv_split_len, []
 
     def spied(*args):
         got = real(*args)
         splits.append(got[0])
         return got
 
-    monkeypatch.setattr(module, "softmax_kv_splits", spied)
+    monkeypatch.setattr(module, "softmax_kv_split_len", spied)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
     check(name, shape, DTYPES[dname], monkeypatch, seed=Tk, lse=True)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
 
 
-def _grads(module, inputs, do, scale):
+def _grads(op, module, inputs, do, scale):
     """(o, dq, dk, dv, dg) of the module's forward and backward launchers, called directly."""
     q, k, v, g, cu = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
-    o, lse = module.softmax_fwd(q, k, v, g, cu, scale)
-    return (o, *module.softmax_bwd(q, k, v, g, cu, scale, o, lse, do)[:4])
+    launch = kernel_launch(op, inputs)[1]
+    o, lse = module.forward(q, k, v, g, cu, scale, None, launch)
+    return (o, *module.softmax_bwd(q, k, v, g, cu, scale, None, launch, o, lse, do)[:4])
 
 
 @pytest.mark.parametrize("name, case", [("bidirectional", "dense"), ("window3", "varlen"), ("window_decay", "decode"),
@@ -198,7 +200,7 @@ def test_gradients_fully_written(name, case, monkeypatch):
     inputs = random_inputs(op.spec, shape, dtype=torch.float32)
     do = torch.randn(shape.batch, shape.q_len, shape.heads, shape.value_dim, generator=torch.Generator().manual_seed(3))
     scale = op.spec.default_scale(shape.head_dim)
-    clean = _grads(module, inputs, do, scale)
+    clean = _grads(op, module, inputs, do, scale)
     real_new_empty = torch.Tensor.new_empty
 
     def poison(t):
@@ -206,7 +208,7 @@ def test_gradients_fully_written(name, case, monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
     assert torch.isnan(do.new_empty(2)).all()
-    got = _grads(module, inputs, do, scale)
+    got = _grads(op, module, inputs, do, scale)
     for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), got, clean):
         if b is not None:
             assert torch.isfinite(a).all(), f"{n}: an element was never written"
@@ -227,9 +229,10 @@ def test_masked_tiles_are_not_read(name):
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=T, heads=1, head_dim=16, value_dim=16), dtype=torch.float32)
     do = torch.randn(1, T, 1, 16, generator=torch.Generator().manual_seed(3))
     scale = op.spec.default_scale(16)
-    _, dq, dk, dv, _ = clean = _grads(module, inputs, do, scale)
+    _, dq, dk, dv, _ = clean = _grads(op, module, inputs, do, scale)
     q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
-    o, lse = clean[0], module.softmax_fwd(q, k, v, g, None, scale)[1]
+    launch = kernel_launch(op, inputs)[1]
+    o, lse = clean[0], module.forward(q, k, v, g, None, scale, None, launch)[1]
     if op.spec.mask == "sliding_window":
         key, query, rows, keys = 0, T - 1, slice(128, T), slice(0, 128)
     else:
@@ -237,8 +240,8 @@ def test_masked_tiles_are_not_read(name):
     k_bad, v_bad, q_bad, do_bad = k.clone(), v.clone(), q.clone(), do.clone()
     k_bad[:, key] = v_bad[:, key] = q_bad[:, query] = do_bad[:, query] = float("nan")
     # dq with NaN keys and values; dk, dv with NaN queries and output gradients (same o, lse)
-    dq_bad = module.softmax_bwd(q, k_bad, v_bad, g, None, scale, o, lse, do)[0]
-    _, dk_bad, dv_bad, _, _ = module.softmax_bwd(q_bad, k, v, g, None, scale, o, lse, do_bad)
+    dq_bad = module.softmax_bwd(q, k_bad, v_bad, g, None, scale, None, launch, o, lse, do)[0]
+    _, dk_bad, dv_bad, _, _ = module.softmax_bwd(q_bad, k, v, g, None, scale, None, launch, o, lse, do_bad)
     assert torch.equal(dq_bad[:, rows], dq[:, rows])
     assert torch.equal(dk_bad[:, keys], dk[:, keys]) and torch.equal(dv_bad[:, keys], dv[:, keys])
     # the poison is there for the blocks that do see it
@@ -304,21 +307,21 @@ def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
     against the oracle, and the split forward against the same call unsplit."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
-    real, splits = module.softmax_kv_splits, []
+    real, splits = module.softmax_kv_split_len, []
 
     def spied(*args):
         got = real(*args)
         splits.append(got[0])
         return got
 
-    monkeypatch.setattr(module, "softmax_kv_splits", spied)
+    monkeypatch.setattr(module, "softmax_kv_split_len", spied)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
     check(name, shape, DTYPES[dname], monkeypatch, seed=Tk)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
     inputs = random_inputs(op.spec, shape, seed=Tk)
     inputs = {n: (t.to(DTYPES[dname]) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     split = outputs_and_grads(lambda **kw: op(**kw), op.spec, inputs, with_grads=True)
-    monkeypatch.setattr(module, "softmax_kv_splits", lambda programs, Tk, BN, sms: (1, Tk))
+    monkeypatch.setattr(module, "softmax_kv_split_len", lambda Tk, splits, BN: (1, Tk))
     whole = outputs_and_grads(lambda **kw: op(**kw), op.spec, inputs, with_grads=True)
     for n in whole:
         assert rel_error(split[n], whole[n]) <= LOWP_FLOOR[DTYPES[dname]], n

@@ -18,7 +18,7 @@ import torch
 
 import attngen
 from attngen import codegen
-from attngen.testing import Shape, outputs_and_grads, random_inputs
+from attngen.testing import Shape, kernel_launch, outputs_and_grads, random_inputs
 
 from specs import SHIPPED, shipped, stem
 
@@ -66,8 +66,8 @@ def test_strided_cu_seqlens_equals_its_contiguous_copy(backend, name, form):
         assert torch.equal(got[key], want[key]), f"{key} differs with a strided cu_seqlens"
 
 
-# The kernel form and chunk the generated op runs for each form of STRIDED.
-KERNEL_FORMS = {"recurrent": ("recurrent", 1), "chunked": ("chunked", 16), "parallel": ("parallel", 1)}
+# The chunk the generated op runs STRIDED's chunked form at.
+CHUNKS = {"chunked": 16}
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -80,11 +80,13 @@ def test_generated_entry_points_take_a_strided_cu_seqlens(name, form):
     q, k, v, g, beta = inputs["q"], inputs["k"], inputs["v"], inputs.get("g"), inputs.get("beta")
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(1)).to(v)
 
+    kernel_form, launch = kernel_launch(attngen.load(spec), inputs, form, CHUNKS.get(form))
+
     def run(cu_seqlens):
         if not spec.is_linear:
-            o, lse = module.op(q, k, v, g, cu_seqlens, 0.5, 6)
-            return (o, lse, *module.backward(q, k, v, g, cu_seqlens, 0.5, 6, o, lse, do, None)[:4])
-        args = (q, k, v, g, beta, None, None, cu_seqlens, 0.5, *KERNEL_FORMS[form])
+            o, lse = module.op(q, k, v, g, cu_seqlens, 0.5, 6, launch)
+            return (o, lse, *module.backward(q, k, v, g, cu_seqlens, 0.5, 6, launch, o, lse, do, None)[:4])
+        args = (q, k, v, g, beta, None, None, cu_seqlens, 0.5, kernel_form, launch)
         o, ht = module.op(*args, True)
         if form not in module.BACKWARD_FORMS:
             return o, ht

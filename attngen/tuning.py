@@ -1,0 +1,601 @@
+"""Launch knobs per GPU: the tables of tuned launches, their lookup per call, and the search that
+fills them (`attngen tune`).
+
+The planner owns the knobs (planner.ChunkedLaunch, planner.SoftmaxLaunch), their defaults and
+the rules that fit them to a call; this module only finds which values a call takes. A table is
+a JSON file for one GPU, compute capability and Triton version: shipped with the package
+(attngen/tables/) or written by `attngen tune` into the user's directory ($ATTNGEN_TUNE_DIR,
+default $ATTNGEN_CACHE/tune; it overrides a shipped entry of the same key). Its entries are keyed by
+kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUDA device:
+- a hit is used, with no search;
+- a miss takes the nearest tuned bucket of the same head dims, else the planner's default, and
+  warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
+  searches instead (seconds to minutes, once: the winner is written to the user's table);
+- a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
+  at that chunk, or the default, silently.
+Tables made on another GPU or Triton version are ignored with a warning (the shipped ones of
+other GPUs silently); a table that cannot be read is an error naming its file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import codegen, planner
+from .inputs import Call
+from .spec import Spec
+
+TABLE_FORMAT = 1
+# A miss takes a tuned bucket of the same head dims at most this many octaves away in T, Tk and BH
+# (a factor of 4 in each): farther, a launch tuned for another regime (prefill for decode: no
+# split of the keys) can be slower than the defaults.
+NEAREST_OCTAVES = 2
+SHIPPED = Path(__file__).with_name("tables")
+
+
+class TableError(ValueError):
+    """A tuning table that cannot be used (unreadable, not JSON, wrong fields or values)."""
+
+
+def tune_dir() -> Path:
+    """The user's tables: $ATTNGEN_TUNE_DIR, else the tune/ directory of attngen's cache."""
+    env = os.environ.get("ATTNGEN_TUNE_DIR")
+    return Path(env) if env else codegen.cache_dir() / "tune"
+
+
+def autotuning() -> bool:
+    value = os.environ.get("ATTNGEN_AUTOTUNE", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"ATTNGEN_AUTOTUNE: value {value!r} is not allowed; allowed: 0, 1")
+    return value == "1"
+
+
+# ---------------------------------------------------------------------------- keys
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What a table is valid for: the GPU, its compute capability and the Triton compiling for it."""
+
+    gpu: str            # torch.cuda.get_device_name
+    capability: str     # "9.0"
+    triton: str         # triton.__version__
+
+    def describe(self) -> str:
+        return f"{self.gpu} (compute capability {self.capability}) with Triton {self.triton}"
+
+    def file_name(self) -> str:
+        slug = re.sub(r"[^a-z0-9]+", "-", self.gpu.lower()).strip("-") or "gpu"
+        return f"{slug}-sm{self.capability.replace('.', '')}-triton{self.triton}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_machine(index: int) -> Machine:
+    import triton
+    major, minor = torch.cuda.get_device_capability(index)
+    return Machine(torch.cuda.get_device_name(index), f"{major}.{minor}", triton.__version__)
+
+
+def machine(device: torch.device | str) -> Machine | None:
+    """The machine of a device; None off CUDA (Triton's interpreter has no tables)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_machine(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def multiprocessors(device: torch.device | str) -> int:
+    """Streaming multiprocessors of a CUDA device (32 elsewhere: the interpreter's small tests then
+    split the keys as a GPU would)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 32
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """The shape a launch is tuned for, each size rounded up to a power of two: T the longest
+    sequence (softmax: of queries) and Tk of keys (T for linear attention), BH sequences x heads,
+    K and V the head dims' lanes (planner.lanes)."""
+
+    T: int
+    Tk: int
+    BH: int
+    K: int
+    V: int
+
+    def distance(self, other: Bucket) -> tuple[int, int]:
+        """How far apart two buckets of the same head dims are: the most octaves between their T,
+        Tk or BH, then the octaves between them all."""
+        octaves = [abs(getattr(self, n).bit_length() - getattr(other, n).bit_length()) for n in ("T", "Tk", "BH")]
+        return max(octaves), sum(octaves)
+
+    def describe(self) -> str:
+        keys = "" if self.Tk == self.T else f" Tk {self.Tk}"
+        return f"T {self.T}{keys} B*H {self.BH} K {self.K} V {self.V}"
+
+
+def bucket(call: Call) -> Bucket:
+    T, Tk = (call.max_len, call.max_len) if call.varlen else (call.q_len, call.k_len)
+    return Bucket(planner.lanes(T), planner.lanes(Tk), planner.pow2(call.num_seqs * call.heads),
+                  planner.lanes(call.head_dim), planner.lanes(call.value_dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    kernel: str         # the launch family (planner.LAUNCHES)
+    spec_hash: str
+    dtype: str          # of q, k, v: float32 | bfloat16 | float16 | float64
+    bucket: Bucket
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def key(spec: Spec, family: str, call: Call, dtype: torch.dtype) -> Key:
+    return Key(family, spec.hash, dtype_name(dtype), bucket(call))
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A table's row: the winning launch of a key, with what the search measured."""
+
+    key: Key
+    spec: str                   # the spec's name, for people reading the table
+    launch: planner.Launch
+    shape: str                  # the shape it was tuned at, B,T,H,K,V[,Tq]
+    ms: dict[str, float | None] | None = None           # its time per pass (fwd, bwd), milliseconds
+    default_ms: dict[str, float | None] | None = None   # the default launch's
+
+    def to_json(self) -> dict:
+        b = self.key.bucket
+        return {"kernel": self.key.kernel, "spec": self.spec, "spec_hash": self.key.spec_hash,
+                "dtype": self.key.dtype, "T": b.T, "Tk": b.Tk, "BH": b.BH, "K": b.K, "V": b.V,
+                "launch": dataclasses.asdict(self.launch), "shape": self.shape, "ms": self.ms,
+                "default_ms": self.default_ms}
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    machine: Machine
+    entries: tuple[Entry, ...]
+
+    def to_json(self) -> dict:
+        return {"attngen_tuning_table": TABLE_FORMAT, "gpu": self.machine.gpu,
+                "capability": self.machine.capability, "triton": self.machine.triton,
+                "entries": [e.to_json() for e in sorted(self.entries, key=_entry_order)]}
+
+
+def _entry_order(entry: Entry):
+    k = entry.key
+    return k.kernel, entry.spec, k.spec_hash, k.dtype, dataclasses.astuple(k.bucket)
+
+
+# ---------------------------------------------------------------------------- files
+def read_table(path: Path) -> Table:
+    """A table file, checked whole: a TableError names the file and what is wrong."""
+    def bad(what: str) -> TableError:
+        return TableError(f"tuning table {path}: {what}; delete the file, or run `attngen tune` to write it again")
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"is not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("attngen_tuning_table") != TABLE_FORMAT:
+        raise bad(f"is not an attngen tuning table of format {TABLE_FORMAT} "
+                  f"(expected an object with \"attngen_tuning_table\": {TABLE_FORMAT})")
+    header = {}
+    for name in ("gpu", "capability", "triton"):
+        if not isinstance(data.get(name), str):
+            raise bad(f"field {name!r} must be a string, got {data.get(name)!r}")
+        header[name] = data[name]
+    rows = data.get("entries")
+    if not isinstance(rows, list):
+        raise bad(f"field 'entries' must be a list, got {type(rows).__name__}")
+    entries = []
+    for i, row in enumerate(rows):
+        try:
+            entries.append(_entry(row))
+        except (TypeError, ValueError, KeyError) as e:
+            raise bad(f"entry {i}: {e}") from None
+    return Table(Machine(**header), tuple(entries))
+
+
+def _entry(row) -> Entry:
+    if not isinstance(row, dict):
+        raise TypeError(f"expected an object, got {type(row).__name__}")
+    kernel = row["kernel"]
+    if kernel not in planner.LAUNCHES:
+        raise ValueError(f"kernel {kernel!r} is not a launch family; allowed: {', '.join(planner.LAUNCHES)}")
+    sizes = {}
+    for name in ("T", "Tk", "BH", "K", "V"):
+        value = row[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two, got {value!r}")
+        sizes[name] = value
+    for name in ("spec", "spec_hash", "dtype", "shape"):
+        if not isinstance(row[name], str):
+            raise TypeError(f"{name}: expected a string, got {row[name]!r}")
+    if row["dtype"] not in ("float32", "bfloat16", "float16", "float64"):
+        raise ValueError(f"dtype {row['dtype']!r} is not allowed; allowed: float32, bfloat16, float16, float64")
+    cls = planner.LAUNCHES[kernel]
+    launch = row["launch"]
+    if not isinstance(launch, dict) or set(launch) != set(cls.knobs()):
+        raise ValueError(f"launch: expected the knobs {', '.join(cls.knobs())}, got {launch!r}")
+    times = [row.get(n) for n in ("ms", "default_ms")]
+    for name, t in zip(("ms", "default_ms"), times):
+        if t is not None and not (isinstance(t, dict) and all(
+                p in ("fwd", "bwd") and (ms is None or (isinstance(ms, (int, float)) and not isinstance(ms, bool)))
+                for p, ms in t.items())):
+            raise TypeError(f"{name}: expected null or milliseconds per pass (fwd, bwd), got {t!r}")
+    return Entry(Key(kernel, row["spec_hash"], row["dtype"], Bucket(**sizes)), row["spec"], cls(**launch),
+                 row["shape"], *times)
+
+
+def write_table(path: Path, table: Table) -> None:
+    """The table as JSON, one entry per line (a diff shows the keys whose launch changed)."""
+    data = table.to_json()
+    rows = data.pop("entries")
+    text = json.dumps(data)[:-1] + ', "entries": [\n' + ",\n".join(json.dumps(r) for r in rows) + "\n]}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    codegen.write_atomic(path, text.encode())
+
+
+def record(entries: list[Entry], mach: Machine, directory: Path | None = None) -> Path:
+    """Write entries into the machine's table in `directory` (default: the user's), over the
+    entries of the same keys; the lookups of this process see them."""
+    path = (directory or tune_dir()) / mach.file_name()
+    kept = read_table(path).entries if path.exists() else ()
+    new = {e.key: e for e in entries}
+    write_table(path, Table(mach, tuple(e for e in kept if e.key not in new) + tuple(new.values())))
+    _tables.cache_clear()
+    _remembered.cache_clear()
+    return path
+
+
+# Warnings already given in this process (foreign tables, misses).
+_WARNED: set = set()
+
+
+def _warn_once(what, message: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(message, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=16)
+def _tables(mach: Machine, user_dir: Path) -> dict[Key, tuple[Entry, Path]]:
+    """Every entry for a machine, by key: the shipped tables', then the user's over them."""
+    found: dict[Key, tuple[Entry, Path]] = {}
+    for directory, shipped in ((SHIPPED, True), (user_dir, False)):
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else ():
+            table = read_table(path)
+            if table.machine != mach:
+                # shipped tables of other GPUs are for those GPUs; a stale one of this GPU, or any
+                # other table the user has, is worth a word
+                if not shipped or table.machine.gpu == mach.gpu:
+                    _warn_once(("foreign", path), f"attngen: ignoring the tuning table {path}: it was tuned on "
+                               f"{table.machine.describe()}, and this is {mach.describe()}. `attngen tune` "
+                               "tunes for this one.")
+                continue
+            for entry in table.entries:
+                found[entry.key] = (entry, path)
+    return found
+
+
+def tables(mach: Machine) -> dict[Key, tuple[Entry, Path]]:
+    return _tables(mach, tune_dir())
+
+
+# ---------------------------------------------------------------------------- lookup
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    launch: planner.Launch
+    source: str         # where it comes from, in words
+
+
+def tune_command(spec: Spec, call: Call, dtype: torch.dtype) -> str:
+    """The `attngen tune` command line that tunes a call's bucket."""
+    path = spec.source if spec.source.endswith((".yaml", ".yml")) else f"<the YAML file of spec {spec.name!r}>"
+    T, Tk = (call.max_len, call.max_len) if call.varlen else (call.q_len, call.k_len)
+    shape = f"{call.num_seqs},{Tk},{call.heads},{call.head_dim},{call.value_dim}" + (f",{T}" if T != Tk else "")
+    return f"attngen tune {path} --shapes {shape} --dtype {dtype_name(dtype)}"
+
+
+def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
+            chunk: int | None = None, search: Callable[[], Entry] | None = None) -> Chosen:
+    """The launch of a call on a machine from its tables (the module docstring's rules). default:
+    the planner's; search: runs the search of this call's bucket and returns its entry (called on a
+    miss with ATTNGEN_AUTOTUNE=1)."""
+    fit = functools.partial(planner.fit_launch, family, spec, call, dtype, chunk=chunk)
+    want = key(spec, family, call, dtype)
+    found = tables(mach)
+    if want in found:
+        entry, path = found[want]
+        return Chosen(fit(launch=entry.launch), f"tuned ({path})")
+    if chunk is None and search is not None and autotuning():
+        entry = search()
+        return Chosen(fit(launch=entry.launch), "tuned now (ATTNGEN_AUTOTUNE=1)")
+    near = [(k.bucket.distance(want.bucket), dataclasses.astuple(k.bucket), k) for k in found
+            if (k.kernel, k.spec_hash, k.dtype, k.bucket.K, k.bucket.V) ==
+            (want.kernel, want.spec_hash, want.dtype, want.bucket.K, want.bucket.V)
+            and k.bucket.distance(want.bucket)[0] <= NEAREST_OCTAVES]
+    if near:
+        entry, path = found[min(near)[2]]
+        chosen = Chosen(fit(launch=entry.launch),
+                        f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
+    else:
+        chosen = Chosen(fit(launch=default), f"default (no tuned {family} launch for this bucket)")
+    if chunk is None:
+        _warn_once(("miss", want, mach),
+                   f"attngen: no tuned {family} launch of spec {spec.name!r} for {dtype_name(dtype)}, "
+                   f"{want.bucket.describe()} on {mach.describe()}; using the "
+                   f"{'nearest tuned bucket' if near else 'defaults'}. To tune it: "
+                   f"`{tune_command(spec, call, dtype)}` (or set ATTNGEN_AUTOTUNE=1 to tune on a miss)")
+    return chosen
+
+
+def choose(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torch.device | str,
+           chunk: int | None = None) -> Chosen:
+    """The launch of a kernel family for a call on a device (the chunk held to `chunk` if given)."""
+    default = planner.default_launch(family, spec, call, dtype, multiprocessors(device))
+    mach = machine(device)
+    if mach is None:
+        return Chosen(planner.fit_launch(family, spec, call, dtype, default, chunk),
+                      f"default (no tuning tables off CUDA: {torch.device(device).type} tensors)")
+    search = functools.partial(_search_call, spec, call, dtype, device, mach)
+    return resolve(spec, family, call, dtype, mach, default, chunk, search)
+
+
+# Call's fields in order: a call travels to _launch_ints as the tuple of their values.
+_CALL_FIELDS = tuple(f.name for f in dataclasses.fields(Call))
+# The environment a launch depends on besides the call: the user's tables and ATTNGEN_AUTOTUNE.
+_ENVIRONMENT = ("ATTNGEN_TUNE_DIR", "ATTNGEN_CACHE", "ATTNGEN_AUTOTUNE")
+
+
+def launch_ints(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torch.device,
+                chunk: int | None = None, k_len: int | None = None) -> tuple[int, ...]:
+    """choose()'s launch as the generated op takes it (Launch.ints), remembered per call's sizes:
+    a call looks it up once (a decode step would otherwise spend more on it than on its kernels).
+    k_len: the keys the kernels read, where not the call's (a key/value cache's rows)."""
+    sizes = tuple(k_len if n == "k_len" and k_len is not None else getattr(call, n) for n in _CALL_FIELDS)
+    return _launch_ints(spec, family, sizes, dtype, device, chunk)
+
+
+@torch.compiler.assume_constant_result
+def _launch_ints(spec: Spec, family: str, call: tuple, dtype: torch.dtype, device: torch.device,
+                 chunk: int | None) -> tuple[int, ...]:
+    # torch.compile calls this while tracing and keeps the result as a constant (it reads files and
+    # warns: nothing to trace); the call comes in and the launch goes out as plain values, the only
+    # ones it passes
+    return _remembered(spec, family, call, dtype, device, chunk, tuple(map(os.environ.get, _ENVIRONMENT)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered(spec: Spec, family: str, call: tuple, dtype: torch.dtype, device: torch.device, chunk: int | None,
+                environment: tuple) -> tuple[int, ...]:
+    # the environment is part of the key: a change of the user's directory or ATTNGEN_AUTOTUNE is seen
+    return tuple(choose(spec, family, Call(*call), dtype, device, chunk).launch.ints())
+
+
+def _search_call(spec: Spec, call: Call, dtype: torch.dtype, device, mach: Machine) -> Entry:
+    from .testing import Shape, format_shape
+    T, Tk = (call.max_len, call.max_len) if call.varlen else (call.q_len, call.k_len)
+    shape = Shape(batch=call.num_seqs, q_len=T, k_len=Tk if Tk != T else None, heads=call.heads,
+                  head_dim=call.head_dim, value_dim=call.value_dim)
+    warnings.warn(f"attngen: ATTNGEN_AUTOTUNE=1: tuning spec {spec.name!r} at {format_shape(shape)} "
+                  f"{dtype_name(dtype)} on {mach.describe()} (once; the winner goes to {tune_dir()})", stacklevel=4)
+    return tune(spec, [shape], dtype, device, mach=mach, report=lambda line: None)[0]
+
+
+# ---------------------------------------------------------------------------- search
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One launch timed for one pass (fwd: the forward; bwd: the backward), or why it was not."""
+
+    launch: planner.Launch
+    pass_: str
+    ms: float | None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A search's result: the best launch, every trial, and per pass the default's and the best's
+    times (None where that launch did not run)."""
+
+    best: planner.Launch
+    trials: tuple[Trial, ...]
+    default_ms: dict[str, float | None]
+    best_ms: dict[str, float | None]
+
+
+# What a CUDA error that leaves the process's context unusable says: every kernel after it fails
+# (an illegal address from a miscompiled launch; Triton 3.6 at bf16 wgmma dots, BENCHMARKS.md).
+CONTEXT_LOST = ("illegal memory access", "illegal address", "misaligned address", "unspecified launch failure")
+
+
+def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Launch],
+           measure: Callable[[planner.Launch, str], float], passes: tuple[str, ...] = ("fwd", "bwd"),
+           report: Callable[[str], None] = print, rounds: int = 2, budget_s: float | None = None) -> Found:
+    """The fastest launch found from `default` by coordinate descent: per pass, each of its knobs in
+    turn takes each of its search values (planner knob metadata, fitted to the call) with the
+    others at the best so far, for up to `rounds` rounds while one improves. measure(launch, pass)
+    -> milliseconds; an exception (a launch that does not compile, runs out of shared memory or
+    gives other outputs) skips that launch, reported; one that loses the CUDA context (CONTEXT_LOST)
+    stops the search with a RuntimeError. budget_s: no launch is tried after that many
+    seconds (the best so far stands; each pass's default is still timed)."""
+    cls = type(default)
+    best, trials = default, []
+    default_ms, best_ms = {}, {}
+    deadline = time.monotonic() + budget_s if budget_s is not None else math.inf
+
+    def trial(launch: planner.Launch, pass_: str, label: str) -> float:
+        try:
+            t = Trial(launch, pass_, float(measure(launch, pass_)))
+        except Exception as e:  # noqa: BLE001 -- any failure of a candidate skips it, reported
+            lines = str(e).strip().splitlines()
+            t = Trial(launch, pass_, None, f"{type(e).__name__}: {lines[0][:160] if lines else ''}")
+            if any(word in str(e) for word in CONTEXT_LOST):
+                report(f"  {label} {_changed(default, launch)}: {t.error}")
+                raise RuntimeError(
+                    f"launch {launch.describe()}: {t.error}. An illegal address (a miscompiled launch) leaves "
+                    "this process's CUDA context unusable: the search stops here, nothing after it could run; "
+                    "nothing is recorded for this shape") from e
+        trials.append(t)
+        report(f"  {label} {_changed(default, launch)}: "
+               + (f"{t.ms:.3f} ms" if t.error is None else f"skipped, {t.error}"))
+        return t.ms if t.ms is not None else math.inf
+
+    for pass_ in passes:
+        names = cls.knobs(pass_)
+        default_ms[pass_] = trial(default, pass_, f"{pass_} [default]")
+        best_ms[pass_] = default_ms[pass_] if best == default else trial(best, pass_, f"{pass_} [best so far]")
+        seen = {best, default}
+        todo = sum(len(cls.__dataclass_fields__[n].metadata["search"]) for n in names)
+        for round_ in range(1, rounds + 1):
+            improved, done = False, 0
+            for name in names:
+                for value in cls.__dataclass_fields__[name].metadata["search"]:
+                    done += 1
+                    candidate = fit(dataclasses.replace(best, **{name: value}))
+                    if candidate in seen or time.monotonic() > deadline:
+                        continue
+                    seen.add(candidate)
+                    ms = trial(candidate, pass_, f"{pass_} round {round_} [{done}/{todo}]")
+                    if ms < best_ms[pass_]:
+                        best, best_ms[pass_], improved = candidate, ms, True
+            if not improved or time.monotonic() > deadline:
+                break
+        if time.monotonic() > deadline:
+            report(f"  {pass_}: the budget of {budget_s:g} s is spent")
+        report(f"  {pass_} best: {_changed(default, best)}: " +
+               (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
+    finite = lambda d: {p: (ms if ms < math.inf else None) for p, ms in d.items()}  # noqa: E731
+    return Found(best, tuple(trials), finite(default_ms), finite(best_ms))
+
+
+def _changed(default: planner.Launch, launch: planner.Launch) -> str:
+    diff = [f"{f.name}={getattr(launch, f.name)}" for f in dataclasses.fields(launch)
+            if getattr(launch, f.name) != getattr(default, f.name)]
+    return " ".join(diff) or "default launch"
+
+
+def do_bench(fn: Callable[[], object]) -> float:
+    """The median time of fn in milliseconds (triton.testing.do_bench)."""
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | str, *, mach: Machine | None = None,
+         timer: Callable[[Callable[[], object]], float] | None = None, report: Callable[[str], None] = print,
+         directory: Path | None = None, budget_s: float | None = None) -> list[Entry]:
+    """Search the launch of a spec's kernels (with knobs) at each shape (testing.Shape) and write the
+    winners into the machine's table in `directory` (default: the user's). mach: the machine the
+    table is for (default: the device's); timer(fn) -> milliseconds (default do_bench); budget_s:
+    seconds of search per shape (search())."""
+    from . import runtime
+    from .testing import LOWP_FACTOR, LOWP_FLOOR, bench_inputs, format_shape
+
+    family = planner.launch_family(spec)
+    if family is None:
+        raise ValueError(f"spec {spec.name!r}: its kernels (recurrent, bidirectional) take no launch knobs to tune")
+    mach, timer = mach or machine(device), timer or do_bench
+    if mach is None:
+        raise ValueError(f"device: tuning tables are per CUDA GPU; got {torch.device(device).type} tensors")
+    op = runtime.load(spec)
+    module = runtime.kernels_for(op)
+    passes = ("fwd", "bwd") if ("chunked" if spec.is_linear else "parallel") in module.BACKWARD_FORMS else ("fwd",)
+    entries = []
+    for shape in shapes:
+        start = time.time()
+        inputs = bench_inputs(spec, shape, dtype, device)
+        call = runtime.check_call(op, inputs)
+        fit = functools.partial(planner.fit_launch, family, spec, call, dtype)
+        default = fit(planner.default_launch(family, spec, call, dtype, multiprocessors(device)))
+        run = _runner(op, module, inputs, call)
+        measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer)
+        report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
+        found = search(default, fit, measure, passes, report, budget_s=budget_s)
+        entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
+                             _rounded(found.best_ms), _rounded(found.default_ms)))
+        report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
+    path = record(entries, mach, directory)
+    report(f"wrote {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} to {path}")
+    return entries
+
+
+def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:
+    return {p: None if ms is None else round(ms, 4) for p, ms in times.items()}
+
+
+def _measurer(run, tol: float, timer) -> Callable[[planner.Launch, str], float]:
+    """measure(launch, pass) for search(): the pass's outputs checked against those of the first
+    launch that ran in the pass (search() times the default first), then timed. The same kernels
+    tiled otherwise differ by rounding (tol: relative); a miscompiled launch does not."""
+    from .testing import rel_error
+    ref: dict[str, list] = {}
+
+    def measure(launch: planner.Launch, pass_: str) -> float:
+        got = run(launch, pass_)
+        worst = max(rel_error(a, b) for a, b in zip(got, ref.setdefault(pass_, got)))
+        if not worst <= tol:
+            raise ValueError(f"outputs differ from the default launch's by {worst:.1e} (allowed {tol:.1e})")
+        return timer(lambda: run(launch, pass_))
+    return measure
+
+
+def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, str], list]:
+    """run(launch, pass) -> the tensors a pass computes, through the generated module's op: fwd the
+    outputs; bwd the gradients from the forward's outputs (computed once per launch)."""
+    spec = op.spec
+    q, k, v, g, beta = (inputs.get(n) for n in ("q", "k", "v", "g", "beta"))
+    # the output's gradient, [B, Tq, H, V]
+    do = torch.randn(q.shape[:3] + v.shape[3:], device=q.device,
+                     generator=torch.Generator(device=q.device).manual_seed(1)).to(v.dtype)
+    outputs: dict = {}
+
+    if spec.is_linear:
+        omega = op.features(call.head_dim, q.device, torch.float32)
+        head = (q, k, v, g, beta, omega, None, None, call.scale, "chunked")
+
+        def forward(launch):
+            return module.op(*head, launch.ints(), False)
+
+        def backward(launch, o, ht):
+            return module.backward(*head, launch.ints(), False, o, ht, do, None)
+    else:
+        head = (q, k, v, g, None, call.scale, call.max_len)
+
+        def forward(launch):
+            return module.op(*head, launch.ints())
+
+        def backward(launch, o, lse):
+            return module.backward(*head, launch.ints(), o, lse, do, None)
+
+    def run(launch, pass_):
+        if pass_ == "fwd":
+            return [forward(launch)[0]]
+        if launch not in outputs:
+            outputs.clear()
+            outputs[launch] = forward(launch)
+        return [gr for gr in backward(launch, *outputs[launch]) if gr is not None]
+
+    return run

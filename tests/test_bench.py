@@ -1,0 +1,85 @@
+"""`attngen bench`'s pieces that need no GPU: the baseline picked from a spec's semantics (user
+specs too), shapes as the command line writes them, the FLOP counts, the --plot sweep."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import attngen
+from attngen import bench
+from attngen.testing import Shape, format_shape, parse_shape
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+DENSE = Shape(batch=4, q_len=8192, heads=16, head_dim=128, value_dim=128)
+
+BASELINE_NAMES = {
+    "gated_deltanet": ["fla chunk_gated_delta_rule"],
+    "deltanet": ["fla chunk_delta_rule"],
+    "kda": ["fla chunk_kda"],
+    "mamba2": ["fla chunk_simple_gla"],
+    "retnet": ["fla chunk_simple_gla g_gamma"],
+    "gla": ["fla chunk_gla"],
+    "linear_transformer": ["fla chunk_linear_attn + elu+1 in torch"],
+    "performer": [],
+    "performer_bidirectional": [],
+    "linear_bidirectional": [],
+    "softmax_causal": ["SDPA causal", "FlexAttention causal"],
+    "softmax_bidirectional": ["SDPA", "FlexAttention no mask"],
+    "sliding_window": ["FlexAttention window 1024"],
+    "forgetting_attention": ["FlexAttention causal + decay score_mod"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BASELINE_NAMES))
+def test_the_baseline_follows_the_semantics(name):
+    spec = attngen.load_spec(SPECS / f"{name}.yaml")
+    assert [b.name for b in bench.baselines(spec, DENSE, 0.1, "cpu")] == BASELINE_NAMES[name]
+
+
+def test_user_specs_get_the_baseline_of_their_semantics():
+    """A user spec whose semantics a baseline computes gets it, whatever its name; one that no
+    baseline computes (another feature map, l2 norm with the additive rule) runs attngen alone;
+    --vs narrows the choice; decode (Tq 1) sees every key, SDPA without its top-left causal mask."""
+    linear = attngen.load_spec({"name": "mine", "attention": "linear"})
+    assert [b.name for b in bench.baselines(linear, DENSE, 0.1, "cpu")] == ["fla chunk_linear_attn"]
+    for other in ({"feature_map": "relu"}, {"qk_norm": "l2"}, {"feature_map": {"expr": "x**2"}}):
+        spec = attngen.load_spec({"name": "mine", "attention": "linear", **other})
+        assert bench.baselines(spec, DENSE, 0.1, "cpu") == [], other
+    causal = attngen.load_spec(SPECS / "softmax_causal.yaml")
+    assert [b.name for b in bench.baselines(causal, DENSE, 0.1, "cpu", ("flex",))] == ["FlexAttention causal"]
+    decode = parse_shape("4,8192,16,128,128,1")
+    assert [b.name for b in bench.baselines(causal, decode, 0.1, "cpu", ("sdpa",))] == ["SDPA"]
+    prefill = parse_shape("1,8192,16,128,128,4096")
+    assert [b.name for b in bench.baselines(causal, prefill, 0.1, "cpu")] == ["FlexAttention causal"]
+
+
+def test_shapes_parse_and_print_back():
+    for text in ("4,8192,16,128,128", "4,8192,16,128,128,1", "1,4096,32,64,64,4096,8"):
+        assert format_shape(parse_shape(text)) == text
+    gqa = parse_shape("1,4096,32,64,64,4096,8")
+    assert (gqa.q_len, gqa.k_len, gqa.heads, gqa.kv_heads) == (4096, None, 32, 8)
+    with pytest.raises(ValueError, match="expected B,T,H,K,V"):
+        parse_shape("4,x,16,128,128")
+
+
+def test_flops():
+    causal = attngen.load_spec(SPECS / "softmax_causal.yaml")
+    window = attngen.load_spec(SPECS / "sliding_window.yaml")
+    shape = Shape(batch=1, q_len=4, heads=1, head_dim=8, value_dim=8)
+    assert bench.flops(causal, shape, False) == 2 * (1 + 2 + 3 + 4) * 16
+    assert bench.flops(causal, shape, True) == 3.5 * 2 * 10 * 16
+    wide = Shape(batch=1, q_len=3000, heads=1, head_dim=8, value_dim=8)
+    assert bench.flops(window, wide, False) == 2 * (1024 * 1025 // 2 + (3000 - 1024) * 1024) * 16
+    decode = Shape(batch=1, q_len=1, k_len=100, heads=1, head_dim=8, value_dim=8)
+    assert bench.flops(causal, decode, False) == 2 * 100 * 16
+    gdn = attngen.load_spec(SPECS / "gated_deltanet.yaml")
+    assert bench.flops(gdn, DENSE, False) == 6 * 128 * 128 * 4 * 8192 * 16
+
+
+def test_plot_sweeps_sequence_length_at_the_tokens_per_batch():
+    shapes = bench.sweep(DENSE)
+    assert [(s.batch, s.q_len) for s in shapes][:3] == [(32, 1024), (16, 2048), (8, 4096)]
+    assert (shapes[-1].batch, shapes[-1].q_len) == (1, 131072)
+    decode = bench.sweep(parse_shape("4,8192,16,128,128,1"))
+    assert {s.q_len for s in decode} == {1} and decode[-1].k_len == 131072

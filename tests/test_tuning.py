@@ -1,0 +1,413 @@
+"""Launch knobs (planner.ChunkedLaunch, planner.SoftmaxLaunch) and the tuning tables
+(attngen.tuning): the knobs reach the generated kernels; table keys and buckets; a hit used with
+no search; a miss takes the nearest bucket or the defaults and warns once with the `attngen tune`
+command; a chunk held by the caller stays silent; tables of another GPU or Triton version are
+ignored with a warning; a corrupt table is an error naming its file; ATTNGEN_TUNE_DIR and
+ATTNGEN_AUTOTUNE; the search loop with a fake timer, and `tune` end to end on the interpreter."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import attngen
+from attngen import codegen, planner, tuning
+from attngen.inputs import Call
+from attngen.testing import Shape, kernel_launch, random_inputs, rel_error
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
+KDA = attngen.load_spec(SPECS / "kda.yaml")
+FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
+
+
+def linear_call(B=4, T=8192, H=16, K=128, V=128) -> Call:
+    return Call(B, T, T, H, K, V, K, B, T, K ** -0.5, False, H)
+
+
+@pytest.fixture(autouse=True)
+def tables(monkeypatch, tmp_path):
+    """Empty shipped and user table directories, and warnings not yet given, for every test."""
+    monkeypatch.setattr(tuning, "SHIPPED", tmp_path / "shipped")
+    monkeypatch.setenv("ATTNGEN_TUNE_DIR", str(tmp_path / "user"))
+    monkeypatch.delenv("ATTNGEN_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_WARNED", set())
+    tuning._tables.cache_clear()
+    tuning._remembered.cache_clear()
+    yield
+    tuning._tables.cache_clear()
+    tuning._remembered.cache_clear()
+
+
+def entry(call: Call, launch: planner.Launch, spec=GDN, dtype=torch.bfloat16, family="chunked") -> tuning.Entry:
+    return tuning.Entry(tuning.key(spec, family, call, dtype), spec.name, launch, "test")
+
+
+def default(call: Call, dtype=torch.bfloat16, spec=GDN) -> planner.ChunkedLaunch:
+    return planner.chunked_launch(spec, call, dtype)
+
+
+def resolve(call: Call, dtype=torch.bfloat16, chunk=None, search=None, mach=FAKE, spec=GDN) -> tuning.Chosen:
+    return tuning.resolve(spec, "chunked", call, dtype, mach, default(call, dtype, spec), chunk, search)
+
+
+def no_search():
+    raise AssertionError("searched")
+
+
+# --------------------------------------------------------------------------- the knobs
+def test_defaults_are_the_measured_launches():
+    """The defaults that moved into the planner (BENCHMARKS.md): bf16 chunked at K = V = 128 takes
+    64-token chunks; a scalar-decay delta rule's UT step at two warps over 32-lane value blocks, the
+    state pass at four warps over 64 lanes, the output pass at four over 128; three stages, 255
+    registers, a backward at 32-token chunks and four warps; fp32 with 256 feature lanes halves the forward's chunk; the
+    softmax bf16 D128 forward 64 x 64 tiles at four warps and three stages, its backward dq
+    128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
+    call = linear_call()
+    assert default(call) == planner.ChunkedLaunch(
+        chunk=64, BV=32, prepare_warps=2, states_BV=64, states_warps=4, stages=3, output_BV=128, output_warps=4,
+        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=3)
+    # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
+    assert default(call, spec=KDA).prepare_warps == 4
+    assert default(call, torch.float32) == planner.ChunkedLaunch(
+        chunk=64, BV=32, prepare_warps=4, states_BV=32, states_warps=4, stages=2, output_BV=32, output_warps=4,
+        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=2)
+    assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
+    assert default(linear_call(K=64, V=64), torch.float16).BV == 64
+    # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
+    assert default(call, torch.float32).stages == 2
+    soft = planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.bfloat16, 132)
+    assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, dq_BM=128,
+                                         dq_BN=128, dq_warps=8, dq_stages=2, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
+                                         dkdv_stages=2)
+    # decode: one query block per sequence and head, the keys split for two programs per multiprocessor
+    decode = planner.softmax_launch(Call(1, 1, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16),
+                                    torch.bfloat16, 132)
+    assert decode.BM == 16 and decode.kv_splits == 17 and decode.dq_BM == 16
+
+
+def test_a_launch_is_checked_naming_the_knob():
+    with pytest.raises(ValueError, match="ChunkedLaunch.chunk: 48 is not allowed; allowed: 16, 32, 64"):
+        dataclasses.replace(default(linear_call()), chunk=48)
+    with pytest.raises(ValueError, match="SoftmaxLaunch.BM: 24 is not allowed; allowed: a power of two"):
+        planner.SoftmaxLaunch(*([24] + [1] * 13))
+    with pytest.raises(ValueError, match="ChunkedLaunch.states_warps: True"):
+        dataclasses.replace(default(linear_call()), states_warps=True)
+
+
+def test_fit_holds_a_launch_to_the_call():
+    """A launch from another shape or a forced chunk: value blocks no wider than the values, the
+    held chunk on both passes (the backward's at most it), stages within the shared memory."""
+    small = linear_call(K=16, V=16)
+    wide = dataclasses.replace(default(linear_call()), BV=128, states_BV=128, output_BV=128, chunk=64, bwd_chunk=64)
+    fitted = planner.fit_chunked(GDN, small, torch.bfloat16, wide, chunk=16)
+    assert (fitted.BV, fitted.states_BV, fitted.output_BV, fitted.chunk, fitted.bwd_chunk) == (16, 16, 16, 16, 16)
+    stages = planner.fit_chunked(GDN, linear_call(), torch.float32, dataclasses.replace(wide, stages=3)).stages
+    assert stages == planner.pipeline_stages(planner.chunked_stage_bytes(GDN, 64, 128, 128, torch.float32)) == 1
+    # bf16 at four warps or more in a scalar-decay delta rule's UT step or the backward: chunks of at
+    # most 32 tokens (Triton 3.6's 64-row wgmma miscompile)
+    warpgroup = planner.fit_chunked(GDN, linear_call(), torch.bfloat16,
+                                    dataclasses.replace(wide, prepare_warps=4, bwd_warps=8))
+    assert (warpgroup.chunk, warpgroup.bwd_chunk) == (32, 32)
+    assert planner.fit_chunked(GDN, linear_call(), torch.float16, dataclasses.replace(wide, prepare_warps=4)).chunk == 64
+    # the forward's other steps, and a vector-decay rule's UT step, keep 64-token chunks at four warps
+    # or more (verified on the H200)
+    steps = dataclasses.replace(wide, states_warps=8, output_warps=8)
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, steps).chunk == 64
+    assert planner.fit_chunked(KDA, linear_call(), torch.bfloat16, dataclasses.replace(steps, prepare_warps=4)).chunk == 64
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+def test_launch_knobs_reach_the_kernels(name, monkeypatch):
+    """The generated module takes its launch as the planner's ints, in the planner's field order,
+    and passes each knob to the kernel launches it belongs to; two launches give the same outputs."""
+    op = attngen.load(SPECS / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    family = planner.launch_family(op.spec)
+    cls = planner.LAUNCHES[family]
+    named = module.ChunkedLaunch if family == "chunked" else module.SoftmaxLaunch
+    assert named._fields == cls.knobs()
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=70, heads=2, head_dim=16, value_dim=24), dtype=torch.float32,
+                           initial_state=False)
+    form, ints = kernel_launch(op, inputs)
+    base = cls(*ints)
+    if family == "chunked":
+        other = dataclasses.replace(base, chunk=32, states_BV=16, states_warps=8, stages=1, maxnreg=128)
+        kernel = "chunked_states_kernel"
+        knobs = {"BT": 32, "BV": 16, "num_warps": 8, "num_stages": 1, "maxnreg": 128}
+    else:
+        other = dataclasses.replace(base, BM=32, BN=32, warps=8, stages=2, last_first=0)
+        kernel, knobs = "softmax_fwd_kernel", {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2,
+                                               "LAST_FIRST": False}
+    launches = []
+    real = getattr(module, kernel)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, kernel, Spy())
+    q, k, v, g, beta = (inputs.get(n) for n in ("q", "k", "v", "g", "beta"))
+
+    def run(launch):
+        if family == "chunked":
+            return module.op(q, k, v, g, beta, None, None, None, 0.25, form, launch.ints(), False)[0]
+        return module.op(q, k, v, g, None, 0.25, 70, launch.ints())[0]
+
+    want, got = run(base), run(other)
+    assert all(launches[-1][n] == value for n, value in knobs.items()), launches[-1]
+    assert any(launches[0][n] != value for n, value in knobs.items())
+    assert rel_error(got, want) < 1e-5
+
+
+# --------------------------------------------------------------------------- keys and lookups
+def test_bucket_rounds_up_to_powers_of_two():
+    assert tuning.bucket(linear_call(B=3, T=1000, H=5, K=100, V=8)) == tuning.Bucket(1024, 1024, 16, 128, 16)
+    packed = Call(1, 3000, 3000, 2, 64, 64, 64, 7, 900, 0.125, True, 2)
+    assert tuning.bucket(packed) == tuning.Bucket(1024, 1024, 16, 64, 64)
+    decode = Call(2, 1, 5000, 8, 64, 32, 64, 2, 5000, 0.125, False, 2)
+    assert tuning.bucket(decode) == tuning.Bucket(16, 8192, 16, 64, 32)
+    a, b = (tuning.key(GDN, "chunked", linear_call(), d) for d in (torch.bfloat16, torch.float16))
+    assert a != b and a.spec_hash == GDN.hash and a.dtype == "bfloat16"
+
+
+def test_a_hit_is_used_with_no_search_and_no_warning(monkeypatch):
+    call = linear_call()
+    tuned = dataclasses.replace(default(call), BV=64, maxnreg=128)
+    tuning.record([entry(call, tuned)], FAKE)
+    monkeypatch.setenv("ATTNGEN_AUTOTUNE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = resolve(linear_call(B=4, T=7000), search=no_search)
+    assert chosen.launch == tuned and chosen.source.startswith("tuned (")
+
+
+def test_a_miss_takes_the_nearest_bucket_and_warns_once_with_the_command():
+    call = linear_call()
+    near = dataclasses.replace(default(call), BV=64)
+    far = dataclasses.replace(default(call), BV=128)
+    other_dims = dataclasses.replace(default(call), BV=16)
+    tuning.record([entry(linear_call(T=4096), near), entry(linear_call(T=65536), far),
+                   entry(linear_call(T=8192, K=64, V=64), other_dims)], FAKE)
+    with pytest.warns(UserWarning) as got:
+        chosen = resolve(call)
+    assert chosen.launch == near and "nearest bucket" in chosen.source
+    message = str(got[0].message)
+    assert "no tuned chunked launch of spec 'gated_deltanet'" in message and "nearest tuned bucket" in message
+    assert f"`attngen tune {GDN.source} --shapes 4,8192,16,128,128 --dtype bfloat16`" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve(call).launch == near
+    # no entry of these head dims: the defaults, warned about once too
+    with pytest.warns(UserWarning, match="using the defaults"):
+        assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
+    # nor within two octaves of T and B*H: a launch tuned for another regime is not taken
+    with pytest.warns(UserWarning, match="using the defaults"):
+        assert resolve(linear_call(T=512)).launch == default(linear_call(T=512))
+    with pytest.warns(UserWarning, match="nearest tuned bucket"):   # T 1 octave and B*H 2 from 4096 / 64
+        assert resolve(linear_call(T=8192, B=16)).launch == near
+
+
+def test_a_held_chunk_takes_the_table_silently():
+    call = linear_call()
+    tuning.record([entry(call, dataclasses.replace(default(call), BV=64))], FAKE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        held = resolve(call, chunk=16)
+        missed = resolve(linear_call(T=100), chunk=32)
+    assert (held.launch.chunk, held.launch.bwd_chunk, held.launch.BV) == (16, 16, 64)
+    assert (missed.launch.chunk, missed.launch.bwd_chunk) == (32, 32)
+
+
+def test_a_call_takes_the_launch_tables_give_once_remembered(monkeypatch, tmp_path):
+    """The runtime's lookup (launch_ints) on a machine with tables: the defaults on a miss, then a
+    table written by this process, then another user directory's: each change is seen, and a
+    lookup is remembered (not made again)."""
+    monkeypatch.setattr(tuning, "machine", lambda device: FAKE)
+    call = linear_call()
+    lookup = lambda: planner.ChunkedLaunch(*tuning.launch_ints(GDN, "chunked", call, torch.bfloat16,  # noqa: E731
+                                                                torch.device("cpu")))
+    with pytest.warns(UserWarning, match="no tuned chunked launch"):
+        assert lookup() == default(call)
+    tuned = dataclasses.replace(default(call), BV=64)
+    tuning.record([entry(call, tuned)], FAKE)
+    assert lookup() == tuned
+    real_choose = tuning.choose
+    monkeypatch.setattr(tuning, "choose", no_search)
+    assert lookup() == tuned
+    monkeypatch.setattr(tuning, "choose", real_choose)
+    monkeypatch.setenv("ATTNGEN_TUNE_DIR", str(tmp_path / "elsewhere"))
+    assert lookup() == default(call)
+
+
+def test_off_cuda_the_defaults_and_no_tables():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = tuning.choose(GDN, "chunked", linear_call(), torch.float32, "cpu")
+    assert chosen.launch == default(linear_call(), torch.float32) and "off CUDA" in chosen.source
+
+
+def test_user_tables_override_shipped_ones_and_the_env_picks_their_directory(tmp_path, monkeypatch):
+    call = linear_call()
+    shipped, mine = (dataclasses.replace(default(call), BV=bv) for bv in (64, 128))
+    tuning.record([entry(call, shipped)], FAKE, tuning.SHIPPED)
+    assert resolve(call).launch == shipped
+    tuning.record([entry(call, mine)], FAKE)
+    assert (tmp_path / "user" / FAKE.file_name()).exists()
+    assert resolve(call).launch == mine
+    monkeypatch.delenv("ATTNGEN_TUNE_DIR")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path / "cache"))
+    assert tuning.tune_dir() == tmp_path / "cache" / "tune"
+
+
+def test_tables_of_another_gpu_or_triton_are_ignored_with_a_warning():
+    call = linear_call()
+    tuned = dataclasses.replace(default(call), BV=128)
+    stale = dataclasses.replace(FAKE, triton="3.5.0")
+    tuning.record([entry(call, tuned)], stale)
+    # shipped for another GPU: not this one's, and nothing to say about it
+    tuning.record([entry(call, tuned)], dataclasses.replace(FAKE, gpu="Other GPU"), tuning.SHIPPED)
+    with pytest.warns(UserWarning) as got:
+        chosen = resolve(call)
+    assert chosen.launch == default(call)
+    messages = [str(w.message) for w in got]
+    assert any(f"ignoring the tuning table {tuning.tune_dir() / stale.file_name()}" in m and "Triton 3.5.0" in m
+               for m in messages), messages
+    assert not any("Other GPU" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("text, error", [
+    ("{not json", "is not JSON"),
+    ('{"entries": []}', "is not an attngen tuning table"),
+    ('{"attngen_tuning_table": 1, "gpu": "x", "capability": "9.0", "triton": "3.6.0", "entries": {}}',
+     "field 'entries' must be a list"),
+    ("ENTRY", "entry 0: ChunkedLaunch.chunk: 48 is not allowed"),
+    ("ENTRY-KNOB", "entry 0: launch: expected the knobs chunk, BV"),
+    ("ENTRY-T", "entry 0: T: expected a power of two, got 1000"),
+])
+def test_a_corrupt_table_is_an_error_naming_its_file(text, error):
+    path = tuning.tune_dir() / "broken.json"
+    path.parent.mkdir(parents=True)
+    if text.startswith("ENTRY"):
+        row = entry(linear_call(), default(linear_call())).to_json()
+        if text == "ENTRY":
+            row["launch"]["chunk"] = 48
+        elif text == "ENTRY-KNOB":
+            del row["launch"]["maxnreg"]
+        else:
+            row["T"] = 1000
+        text = json.dumps({**tuning.Table(FAKE, ()).to_json(), "entries": [row]})
+    path.write_text(text)
+    with pytest.raises(tuning.TableError, match=f"tuning table {path}: .*{error}"):
+        resolve(linear_call())
+
+
+def test_autotune_searches_on_a_miss_only_when_asked(monkeypatch):
+    call = linear_call()
+    found = entry(call, dataclasses.replace(default(call), BV=64))
+    monkeypatch.setenv("ATTNGEN_AUTOTUNE", "1")
+    chosen = resolve(call, search=lambda: found)
+    assert chosen.launch == found.launch and "ATTNGEN_AUTOTUNE" in chosen.source
+    monkeypatch.setenv("ATTNGEN_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="ATTNGEN_AUTOTUNE: value 'yes' is not allowed"):
+        resolve(call, search=no_search)
+
+
+# --------------------------------------------------------------------------- the search
+def test_search_descends_knob_by_knob_and_skips_failures():
+    """A fake timer whose fastest launch is two knobs away from the default, with launches that
+    'do not compile' on the way: the search finds it, reports every trial, and skips the failures."""
+    call = linear_call()
+    start = default(call)
+    fit = lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch)  # noqa: E731
+    measured = []
+
+    def measure(launch, pass_):
+        measured.append((launch, pass_))
+        if launch.states_warps == 8:
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+        if pass_ == "fwd":
+            return 10 - (launch.chunk == 32) * 3 - (launch.BV == 64) * 2 + (launch.maxnreg != 255)
+        return 5 - (launch.bwd_warps == 2) * 1.5
+
+    lines = []
+    found = tuning.search(start, fit, measure, report=lines.append)
+    assert (found.best.chunk, found.best.BV, found.best.bwd_warps) == (32, 64, 2)
+    assert found.best.states_warps == start.states_warps and found.best.maxnreg == 255
+    assert found.default_ms == {"fwd": 10, "bwd": 5} and found.best_ms == {"fwd": 5, "bwd": 3.5}
+    failed = [t for t in found.trials if t.error]
+    assert failed and all("out of resource" in t.error and t.launch.states_warps == 8 for t in failed)
+    assert any("skipped, RuntimeError: out of resource" in line for line in lines)
+    assert len(measured) == len(set(measured)), "a launch was timed twice"
+
+
+def test_search_stops_at_an_illegal_address():
+    """A launch that loses the CUDA context (an illegal address: every later kernel would fail)
+    stops the search with an error naming it and the hazard, instead of skipping it and reporting
+    every later launch as failed."""
+    call = linear_call()
+    measured = []
+
+    def measure(launch, pass_):
+        measured.append(launch)
+        if launch.chunk == 32:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 1.0
+
+    lines = []
+    with pytest.raises(RuntimeError, match="illegal address .* CUDA context unusable: the search stops"):
+        tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch), measure,
+                      report=lines.append)
+    assert measured[-1].chunk == 32 and len(measured) == 3
+    assert "illegal memory access" in lines[-1]
+
+
+def test_search_stops_when_its_budget_is_spent():
+    call = linear_call()
+    lines = []
+    found = tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch),
+                          lambda launch, pass_: 1.0, report=lines.append, budget_s=0)
+    assert found.best == default(call) and [t.launch for t in found.trials] == [default(call)] * 2
+    assert "  fwd: the budget of 0 s is spent" in lines
+
+
+@pytest.mark.usefixtures("triton_backend")
+def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatch):
+    """`tune` end to end through the generated module on Triton's interpreter (a fake machine and
+    timer): the timer's winner is written, a launch whose outputs differ is rejected, and a
+    lookup of that shape then returns the winner without a search."""
+    spec = attngen.load_spec(SPECS / "mamba2.yaml")
+    module = codegen.load_module(spec)
+    real_op, launches = module.op, []
+
+    def op(*args):
+        launches.append(args[10])
+        o, ht = real_op(*args)
+        return (o * 2 if args[10][:2] == [16, 16] else o), ht    # chunk 16 with BV 16: wrong outputs
+
+    def timer(fn):
+        fn()
+        return 1.0 if launches[-1][0] == 32 else 2.0   # the forward of the launch timed, or its backward's
+
+    monkeypatch.setattr(module, "op", op)
+    lines = []
+    shape = Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)
+    (got,) = tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, timer=timer, report=lines.append)
+    assert got.launch.chunk == 32 and got.ms["fwd"] == 1.0 and got.default_ms["fwd"] == 2.0
+    assert any("chunk=16" in line and "outputs differ from the default launch's" in line for line in lines), lines
+    table = tuning.read_table(tuning.tune_dir() / FAKE.file_name())
+    assert [e.launch for e in table.entries] == [got.launch]
+    call = Call(1, 40, 40, 2, 16, 16, 16, 1, 40, 0.25, False, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        chosen = tuning.resolve(spec, "chunked", call, torch.float32, FAKE,
+                                planner.chunked_launch(spec, call, torch.float32), search=no_search)
+    assert chosen.launch == got.launch
