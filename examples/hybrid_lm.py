@@ -111,12 +111,19 @@ class Model(nn.Module):
     def __init__(self, kinds: list[str], dim: int = 32, heads: int = 2):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
+        # a token shift (the width-2 short convolution deployed linear-attention models run before
+        # their projections): each position also embeds the token before it (VOCAB at the start),
+        # so a value's position carries its key. Without it the model has no position at all
+        # and a causal softmax layer cannot tell which key a value follows.
+        self.shift = nn.Embedding(VOCAB + 1, dim)
         self.mixers = nn.ModuleList(Mixer(kind, dim, heads) for kind in kinds)
         self.mixes = nn.ModuleList(DepthMix(dim) for _ in range(len(kinds) + 1))
         self.head = nn.Linear(dim, VOCAB)
 
-    def forward(self, tokens, caches=None, slots=None, steps=None):
-        outs = [self.embed(tokens)]
+    def forward(self, tokens, caches=None, slots=None, steps=None, before=None):
+        """before: [B] the token before tokens[:, 0] (a piece after the first), None at the start."""
+        first = torch.full_like(tokens[:, :1], VOCAB) if before is None else before[:, None]
+        outs = [self.embed(tokens) + self.shift(torch.cat([first, tokens[:, :-1]], 1))]
         for i, mixer in enumerate(self.mixers):
             x = self.mixes[i](torch.stack(outs, 2))
             outs.append(mixer(x, caches[i] if caches else None, slots, steps[i] if steps else None))
@@ -163,11 +170,12 @@ def serve(model: Model, tokens, piece: int):
     caches = [m.cache(B + 3, T, piece, device) for m in model.mixers]
     logits, prefill = [], 2 * PAIRS
     for start in range(0, prefill, piece):
-        logits.append(model(tokens[:, start:min(start + piece, prefill)], caches, slots))
+        logits.append(model(tokens[:, start:min(start + piece, prefill)], caches, slots,
+                            before=tokens[:, start - 1] if start else None))
     steps = [m.op.prepare_decode(c, B, dtype=model.embed.weight.dtype, heads=None if m.op.spec.is_linear else m.heads)
              for m, c in zip(model.mixers, caches)]
     for t in range(prefill, T):
-        logits.append(model(tokens[:, t:t + 1], slots=slots, steps=steps))
+        logits.append(model(tokens[:, t:t + 1], slots=slots, steps=steps, before=tokens[:, t - 1]))
     return torch.cat(logits, 1)
 
 
