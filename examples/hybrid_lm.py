@@ -1,7 +1,7 @@
 """A small hybrid language model on attngen ops, trained on multi-query associative recall, then
 served: prefill in pieces and decode token by token through per-layer StateCaches.
 
-    python examples/hybrid_lm.py [--steps 300] [--device cpu|cuda]
+    python examples/hybrid_lm.py [--steps 1000] [--device cpu|cuda]
 
 Layer types: softmax_causal, sliding_window (a window shorter than the context), gated_deltanet,
 mamba2, linear_transformer (shipped specs). Blocks are joined by attention residuals: block l's
@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 
-KEYS, VALUES = 16, 16
+# 24 pairs: more than a linear layer's state holds exactly (2 heads of 16 x 16 per layer, at the
+# default width), a context a softmax layer reads back whole
+KEYS, VALUES = 32, 32
 VOCAB = KEYS + VALUES
-PAIRS, QUERIES = 8, 8
+PAIRS, QUERIES = 24, 16
 WINDOW = 4
 # attention over the depth axis: all earlier blocks visible
 DEPTH_MIX = {"name": "hybrid_depth_mix", "attention": "softmax", "mask": "bidirectional"}
@@ -216,7 +218,7 @@ def timings(device, lengths=(4096, 32768), decode_steps: int = 32):
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--piece", type=int, default=5, help="prefill piece (tokens per call)")
