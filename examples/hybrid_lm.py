@@ -148,8 +148,8 @@ def recall_batch(gen: torch.Generator, size: int):
 def train(kinds, steps: int, device, seed: int = 0) -> Model:
     torch.manual_seed(seed)
     model = Model(kinds).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 3e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 6e-3, total_steps=steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens, targets = (t.to(device) for t in recall_batch(gen, 32))
