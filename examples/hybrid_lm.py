@@ -1,7 +1,7 @@
 """A small hybrid language model on attngen ops, trained on multi-query associative recall, then
 served: prefill in pieces and decode token by token through per-layer StateCaches.
 
-    python examples/hybrid_lm.py [--steps 300] [--device cpu|cuda]
+    python examples/hybrid_lm.py [--steps 1000] [--device cpu|cuda]
 
 Layer types: softmax_causal, sliding_window (a window shorter than the context), gated_deltanet,
 mamba2, linear_transformer (shipped specs). Blocks are joined by attention residuals: block l's
@@ -31,9 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import attngen  # noqa: E402
 
-KEYS, VALUES = 16, 16
+# 24 pairs: more than a linear layer's state holds exactly (2 heads of 16 x 16 per layer, at the
+# default width), a context a softmax layer reads back whole
+KEYS, VALUES = 32, 32
 VOCAB = KEYS + VALUES
-PAIRS, QUERIES = 8, 8
+PAIRS, QUERIES = 24, 16
 WINDOW = 4
 # attention over the depth axis: all earlier blocks visible
 DEPTH_MIX = {"name": "hybrid_depth_mix", "attention": "softmax", "mask": "bidirectional"}
@@ -111,12 +113,19 @@ class Model(nn.Module):
     def __init__(self, kinds: list[str], dim: int = 32, heads: int = 2):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
+        # a token shift (the width-2 short convolution deployed linear-attention models run before
+        # their projections): each position also embeds the token before it (VOCAB at the start),
+        # so a value's position carries its key. Without it the model has no position at all
+        # and a causal softmax layer cannot tell which key a value follows.
+        self.shift = nn.Embedding(VOCAB + 1, dim)
         self.mixers = nn.ModuleList(Mixer(kind, dim, heads) for kind in kinds)
         self.mixes = nn.ModuleList(DepthMix(dim) for _ in range(len(kinds) + 1))
         self.head = nn.Linear(dim, VOCAB)
 
-    def forward(self, tokens, caches=None, slots=None, steps=None):
-        outs = [self.embed(tokens)]
+    def forward(self, tokens, caches=None, slots=None, steps=None, before=None):
+        """before: [B] the token before tokens[:, 0] (a piece after the first), None at the start."""
+        first = torch.full_like(tokens[:, :1], VOCAB) if before is None else before[:, None]
+        outs = [self.embed(tokens) + self.shift(torch.cat([first, tokens[:, :-1]], 1))]
         for i, mixer in enumerate(self.mixers):
             x = self.mixes[i](torch.stack(outs, 2))
             outs.append(mixer(x, caches[i] if caches else None, slots, steps[i] if steps else None))
@@ -139,8 +148,8 @@ def recall_batch(gen: torch.Generator, size: int):
 def train(kinds, steps: int, device, seed: int = 0) -> Model:
     torch.manual_seed(seed)
     model = Model(kinds).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 3e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, 6e-3, total_steps=steps, pct_start=0.1)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens, targets = (t.to(device) for t in recall_batch(gen, 32))
@@ -163,11 +172,12 @@ def serve(model: Model, tokens, piece: int):
     caches = [m.cache(B + 3, T, piece, device) for m in model.mixers]
     logits, prefill = [], 2 * PAIRS
     for start in range(0, prefill, piece):
-        logits.append(model(tokens[:, start:min(start + piece, prefill)], caches, slots))
+        logits.append(model(tokens[:, start:min(start + piece, prefill)], caches, slots,
+                            before=tokens[:, start - 1] if start else None))
     steps = [m.op.prepare_decode(c, B, dtype=model.embed.weight.dtype, heads=None if m.op.spec.is_linear else m.heads)
              for m, c in zip(model.mixers, caches)]
     for t in range(prefill, T):
-        logits.append(model(tokens[:, t:t + 1], slots=slots, steps=steps))
+        logits.append(model(tokens[:, t:t + 1], slots=slots, steps=steps, before=tokens[:, t - 1]))
     return torch.cat(logits, 1)
 
 
@@ -208,7 +218,7 @@ def timings(device, lengths=(4096, 32768), decode_steps: int = 32):
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--piece", type=int, default=5, help="prefill piece (tokens per call)")

@@ -4,10 +4,19 @@ and served by the kernels through Triton's interpreter)."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hybrid_lm  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def small_task(monkeypatch):
+    """The example's task at a third of its size: the tests check that it runs and serves, not
+    what it learns."""
+    monkeypatch.setattr(hybrid_lm, "PAIRS", 8)
+    monkeypatch.setattr(hybrid_lm, "QUERIES", 8)
 
 
 def test_hybrid_lm_runs(monkeypatch):
