@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -277,7 +278,17 @@ _WARNED: set = set()
 def _warn_once(what, message: str) -> None:
     if what not in _WARNED:
         _WARNED.add(what)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=_outside_attngen())
+
+
+def _outside_attngen() -> int:
+    """The stacklevel of the first frame outside the attngen package, so that a warning names the
+    user's line (the call of the op) rather than a line of attngen's own."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1   # level 1: the function calling warnings.warn
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @functools.lru_cache(maxsize=16)

@@ -202,6 +202,7 @@ def test_a_miss_takes_the_nearest_bucket_and_warns_once_with_the_command():
     assert chosen.launch == near and "nearest bucket" in chosen.source
     message = str(got[0].message)
     assert "no tuned chunked launch of spec 'gated_deltanet'" in message and "nearest tuned bucket" in message
+    assert got[0].filename == __file__   # the warning names the caller's line, not attngen's
     assert f"`attngen tune {GDN.source} --shapes 4,8192,16,128,128 --dtype bfloat16`" in message
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -411,3 +412,14 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
         chosen = tuning.resolve(spec, "chunked", call, torch.float32, FAKE,
                                 planner.chunked_launch(spec, call, torch.float32), search=no_search)
     assert chosen.launch == got.launch
+
+
+def test_a_warning_names_the_first_line_outside_attngen():
+    # two frames of attngen's own between the warning and the caller, as choose -> resolve has
+    inside = str(Path(tuning.__file__).parent / "calls.py")
+    ns = {"tuning": tuning}
+    exec(compile("def outer():\n    inner()\n\ndef inner():\n    tuning._warn_once('test', 'attngen: a test')\n",
+                 inside, "exec"), ns)
+    with pytest.warns(UserWarning, match="a test") as got:
+        ns["outer"]()
+    assert got[0].filename == __file__
