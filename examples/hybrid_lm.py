@@ -46,7 +46,9 @@ MODELS = {
     "gated_deltanet": ["gated_deltanet", "gated_deltanet"],
     "mamba2": ["mamba2", "mamba2"],
     "linear_transformer": ["linear_transformer", "linear_transformer"],
-    "hybrid": ["gated_deltanet", "sliding_window", "mamba2", "softmax_causal", "linear_transformer"],
+    # the softmax layer early, so that the later layers build on its exact retrieval: 4th of 5,
+    # 1000 steps gave recall 0.919 (below the linear transformer); 2nd of 5, 1.000
+    "hybrid": ["gated_deltanet", "softmax_causal", "sliding_window", "mamba2", "linear_transformer"],
 }
 
 
