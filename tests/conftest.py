@@ -20,6 +20,16 @@ def triton_backend(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path_factory.getbasetemp() / "attngen_cache"))
 
 
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """Each test once on the generated kernels (Triton's interpreter) and once on the PyTorch forms."""
+    if request.param == "triton":
+        request.getfixturevalue("triton_backend")
+    else:
+        monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    return request.param
+
+
 @pytest.fixture
 def poison_fresh_buffers(monkeypatch):
     """torch.empty, torch.empty_like and Tensor.new_empty return NaN-filled floating tensors (as

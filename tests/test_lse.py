@@ -15,17 +15,6 @@ from attngen.testing import FLOAT64_RTOL, Shape, random_inputs, rel_error
 
 from specs import SHIPPED
 
-BACKENDS = ("torch", "triton")
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request, monkeypatch):
-    """Each test on the PyTorch forms and on the kernels."""
-    if request.param == "triton":
-        request.getfixturevalue("triton_backend")
-    else:
-        monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
-    return request.param
 
 
 def merge(o1, lse1, o2, lse2):

@@ -25,16 +25,6 @@ from specs import SHIPPED, shipped, stem
 PACKED = Shape(batch=1, q_len=12, heads=2, head_dim=4, value_dim=5, cu_seqlens=(0, 5, 6, 12))
 
 
-@pytest.fixture(params=["triton", "torch"])
-def backend(request, monkeypatch):
-    """Each test once on the generated kernels (Triton's interpreter) and once on the PyTorch forms."""
-    if request.param == "triton":
-        request.getfixturevalue("triton_backend")
-    else:
-        monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
-    return request.param
-
-
 # --------------------------------------------------------------------------- strided cu_seqlens
 
 def strided(cu_seqlens: torch.Tensor) -> torch.Tensor:
