@@ -157,14 +157,8 @@ def test_lse_and_its_gradient(name, case, monkeypatch):
     check(name, shape, dtype, monkeypatch, seed=7, lse=True)
 
 
-@pytest.mark.parametrize("dname", list(DTYPES))
-@pytest.mark.parametrize("Tq, Tk, kv_heads", [(1, 300, 2), (3, 531, 1)])
-@pytest.mark.parametrize("name", ["causal", "window16", "forgetting"])
-def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
-    """Decode with the keys split (flash-decoding): the lse the combine kernel merges is the
-    call's, and its gradient flows through the backward."""
-    op = attngen.load(SPECS[name])
-    module = codegen.load_module(op.spec)
+def spy_kv_splits(module, monkeypatch) -> list:
+    """The key splits the module's forward chooses, call by call (softmax_kv_split_len spied on)."""
     real, splits = module.softmax_kv_split_len, []
 
     def spied(*args):
@@ -173,6 +167,17 @@ def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
         return got
 
     monkeypatch.setattr(module, "softmax_kv_split_len", spied)
+    return splits
+
+
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("Tq, Tk, kv_heads", [(1, 300, 2), (3, 531, 1)])
+@pytest.mark.parametrize("name", ["causal", "window16", "forgetting"])
+def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
+    """Decode with the keys split (flash-decoding): the lse the combine kernel merges is the
+    call's, and its gradient flows through the backward."""
+    op = attngen.load(SPECS[name])
+    splits = spy_kv_splits(codegen.load_module(op.spec), monkeypatch)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
     check(name, shape, DTYPES[dname], monkeypatch, seed=Tk, lse=True)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
@@ -307,14 +312,7 @@ def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
     against the oracle, and the split forward against the same call unsplit."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
-    real, splits = module.softmax_kv_split_len, []
-
-    def spied(*args):
-        got = real(*args)
-        splits.append(got[0])
-        return got
-
-    monkeypatch.setattr(module, "softmax_kv_split_len", spied)
+    splits = spy_kv_splits(module, monkeypatch)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
     check(name, shape, DTYPES[dname], monkeypatch, seed=Tk)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
