@@ -2,7 +2,7 @@
 H16 D128 bf16 for the shipped specs against flash-linear-attention, SDPA and FlexAttention, plus
 decode (one query against the cache) and grouped-query heads (H 32 over 8).
 
-    python bench/bench.py [--bwd] [--profile] [--cases gdn,delta,...] [--B 4 --T 8192 --H 16 --D 128] [--no-baseline]
+    python bench/bench.py [--bwd | --passes fwd,bwd] [--profile] [--cases gdn,delta,...] [--B 4 --T 8192 --H 16 --D 128] [--no-baseline]
 
 Prints `attngen bench`'s table: ms, the ratio to the baseline, TFLOP/s, the fraction of the memory
 floor (bytes of inputs and outputs at the measured copy bandwidth), peak memory, and the relative
@@ -47,7 +47,9 @@ def main() -> int:
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
-    p.add_argument("--bwd", action="store_true")
+    p.add_argument("--bwd", action="store_true", help="forward + backward (same as --passes bwd)")
+    p.add_argument("--passes", default="", help="fwd, bwd or fwd,bwd: both in one process (the baselines'"
+                   " autotuning is done once)")
     p.add_argument("--cases", default="", help=f"comma-separated, of {', '.join(CASES)} (default: all)")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-baseline", action="store_true", help="time attngen alone")
@@ -56,23 +58,28 @@ def main() -> int:
     unknown = [c for c in wanted if c not in CASES]
     if unknown:
         p.error(f"--cases: {', '.join(unknown)} unknown; cases: {', '.join(CASES)}")
+    passes = [q for q in args.passes.split(",") if q] or (["bwd"] if args.bwd else ["fwd"])
+    if any(q not in ("fwd", "bwd") for q in passes):
+        p.error(f"--passes: {args.passes!r}; allowed: fwd, bwd or fwd,bwd")
     reason = bench.no_device_reason()
     if reason:
         print(f"bench.py: {reason}", file=sys.stderr)
         return 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     report = lambda line: print(line, flush=True)  # noqa: E731
-    if args.bwd and not args.no_baseline:
+    if "bwd" in passes and not args.no_baseline:
         bench.fla_backward_guard(report)
-    report(f"\n{'fwd+bwd' if args.bwd else 'fwd'}, bf16, do_bench median\n{bench.HEADER}")
     failed = False
-    for name in wanted:
-        spec, shape, vs = CASES[name]
-        spec = load_spec(SPECS / f"{spec}.yaml" if isinstance(spec, str) else spec)
-        shape = parse_shape(shape.format(B=args.B, T=args.T, H=args.H, D=args.D))
-        rows = bench.bench_case(spec, shape, torch.bfloat16, device, args.bwd, () if args.no_baseline else vs,
-                                report=report, profile_kernels=args.profile)
-        failed |= any(row.impl == "attngen" and row.note.startswith("failed") for row in rows)
+    for pass_ in passes:
+        bwd = pass_ == "bwd"
+        report(f"\n{'fwd+bwd' if bwd else 'fwd'}, bf16, do_bench median\n{bench.HEADER}")
+        for name in wanted:
+            spec, shape, vs = CASES[name]
+            spec = load_spec(SPECS / f"{spec}.yaml" if isinstance(spec, str) else spec)
+            shape = parse_shape(shape.format(B=args.B, T=args.T, H=args.H, D=args.D))
+            rows = bench.bench_case(spec, shape, torch.bfloat16, device, bwd, () if args.no_baseline else vs,
+                                    report=report, profile_kernels=args.profile)
+            failed |= any(row.impl == "attngen" and row.note.startswith("failed") for row in rows)
     return 1 if failed else 0
 
 
