@@ -241,6 +241,9 @@ class ContextParallel:
         sum), the offsets of the pieces of sequences in the shard, and the initial states of the
         sequences that start in it, checked."""
         call = check_linear(self.op.spec, q, k, v, g, beta, scale)
+        if call.qk_heads != call.heads:
+            raise ValueError(f"v: {call.heads} value heads on {call.qk_heads} query / key heads (grouped value "
+                             "heads) are not supported by context parallelism; allowed: v with the heads of q")
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         u = torch.cat([v, torch.ones_like(v[..., :1])], -1) if self.parallel.unnormalized else v
         packed, cin = shard.cu is not None, shard.crosses_in(shard.rank)

@@ -50,6 +50,15 @@ def feature_map(ctx: Ctx, q, k):
     return query_features(ctx, q), _features(ctx, k)
 
 
+def share_qk_heads(ctx: Ctx, q_hat, k_hat):
+    """Grouped value heads: [B, T, H, F] query and key features -> [B, T, HV, F], value head h
+    reading query / key head h // (HV / H)."""
+    group = ctx.call.heads // ctx.call.qk_heads
+    if group == 1:
+        return q_hat, k_hat
+    return q_hat.repeat_interleave(group, 2), k_hat.repeat_interleave(group, 2)
+
+
 def query_features(ctx: Ctx, q):
     """q [B, T, H, K] -> q_hat [B, T, H, F]: phi, l2 norm and scale."""
     return _features(ctx, q) * ctx.call.scale

@@ -24,7 +24,7 @@ class Call:
     batch: int          # B (1 with cu_seqlens)
     q_len: int          # Tq
     k_len: int          # Tk (== Tq for linear attention)
-    heads: int          # H
+    heads: int          # H: softmax the query heads; linear the value / state heads HV (H without grouping)
     head_dim: int       # K
     value_dim: int      # V
     feature_dim: int    # F
@@ -32,7 +32,14 @@ class Call:
     max_len: int        # longest sequence (Tk, or the longest packed one)
     scale: float
     varlen: bool
-    kv_heads: int       # key / value heads (softmax: H_kv dividing H; linear: H)
+    kv_heads: int       # key / value heads (softmax: H_kv dividing H; linear: heads)
+    # linear: the q / k heads H dividing heads (grouped value heads: HV // H value heads share a q / k
+    # head); softmax: heads. None (a call built without it): heads
+    qk_heads: int | None = None
+
+    def __post_init__(self):
+        if self.qk_heads is None:
+            object.__setattr__(self, "qk_heads", self.heads)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -126,22 +133,28 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
     _tensor("k", k, 4, "[B, T, H, K]")
     _expect("k", k, (B, T, H, K), "[B, T, H, K]")
     _same("k", k, q)
-    _tensor("v", v, 4, "[B, T, H, V]")
-    if tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}"
+    _tensor("v", v, 4, "[B, T, HV, V]")
+    HV = v.shape[2]
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v: expected shape [B, T, HV, V] = [{B}, {T}, HV, V], got {_shape(v)}"
                          f"{_head_first('v', tuple(v.shape[:3]), (B, T, H))}")
+    if H and (HV == 0 or HV % H):
+        raise ValueError(f"v: its heads HV = {HV} must be a multiple of the query / key heads H = {H} (grouped "
+                         f"value heads: HV // H value heads share a query / key head); got v {_shape(v)}, "
+                         f"q {_shape(q)}{_head_first('v', tuple(v.shape[:3]), (B, T, H))}")
     _same("v", v, q)
     V = v.shape[3]
     if T == 0 or K == 0 or V == 0 or H == 0 or B == 0:
         raise ValueError(f"q, v: expected non-empty tensors, got q {_shape(q)} and v {_shape(v)}")
     F = spec.feature_dim(K)
 
+    # g, beta and the state are per value head
     if spec.decay == "none":
         if g is not None:
             raise ValueError(f"g: this spec has decay: none, so g must be None; got a tensor {_shape(g)}")
     else:
-        expect = {"constant": ("[H]", (H,)), "scalar": ("[B, T, H]", (B, T, H)),
-                  "vector": ("[B, T, H, K]", (B, T, H, K))}[spec.decay]
+        expect = {"constant": ("[HV]", (HV,)), "scalar": ("[B, T, HV]", (B, T, HV)),
+                  "vector": ("[B, T, HV, K]", (B, T, HV, K))}[spec.decay]
         if g is None:
             raise ValueError(f"g: this spec has decay: {spec.decay}, so g (log decay) of shape {expect[0]} is required")
         _tensor("g", g, len(expect[1]), expect[0])
@@ -149,9 +162,9 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
         _same("g", g, q, dtype=False)
     if spec.update == "delta":
         if beta is None:
-            raise ValueError("beta: this spec has update: delta, so beta of shape [B, T, H] is required")
-        _tensor("beta", beta, 3, "[B, T, H]")
-        _expect("beta", beta, (B, T, H), "[B, T, H]")
+            raise ValueError("beta: this spec has update: delta, so beta of shape [B, T, HV] is required")
+        _tensor("beta", beta, 3, "[B, T, HV]")
+        _expect("beta", beta, (B, T, HV), "[B, T, HV]")
         _same("beta", beta, q, dtype=False)
     elif beta is not None:
         raise ValueError(f"beta: this spec has update: additive, so beta must be None; got a tensor {_shape(beta)}")
@@ -160,11 +173,11 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
     N, max_len = _sequences(cu_seqlens, q, B, T)
     Vs = V + 1 if spec.normalize == "sum" else V
     if initial_state is not None:
-        _tensor("initial_state", initial_state, 4, "[N, H, F, V]")
+        _tensor("initial_state", initial_state, 4, "[N, HV, F, V]")
         extra = " (V + 1 columns: the last holds the normalizer)" if Vs != V else ""
-        _expect("initial_state", initial_state, (N, H, F, Vs), f"[N, H, F, V]{extra}")
+        _expect("initial_state", initial_state, (N, HV, F, Vs), f"[N, HV, F, V]{extra}")
         _same("initial_state", initial_state, q, dtype=False)
-    return Call(B, T, T, H, K, V, F, N, max_len, _scale(spec, scale, K), varlen, H)
+    return Call(B, T, T, HV, K, V, F, N, max_len, _scale(spec, scale, K), varlen, HV, H)
 
 
 def check_softmax(spec: Spec, q, k, v, g=None, scale=None, cu_seqlens=None) -> Call:

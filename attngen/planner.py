@@ -114,7 +114,9 @@ def _s(fn: str, ins: dict[str, str] | tuple[str, ...], outs: tuple[str, ...] | s
 def _linear_forms(spec: Spec) -> tuple[Form, ...]:
     norm = spec.normalize == "sum"
     head = [
-        _s("feature_map", ("q", "k"), ("q_hat", "k_hat"), "phi, l2 norm and scale on q"),
+        _s("feature_map", ("q", "k"), ("q_feat", "k_feat"), "phi, l2 norm and scale on q"),
+        _s("share_qk_heads", {"q_hat": "q_feat", "k_hat": "k_feat"}, ("q_hat", "k_hat"),
+           "grouped value heads: each value head's queries and keys"),
         _s("log_decay", ("g",), "log_g", f"per-token log decay ({spec.decay})"),
     ]
     v = "v"

@@ -78,6 +78,8 @@ def _linear(spec, q, k, v, g, beta, scale, initial_state, output_final_state, cu
     cast = lambda t: None if t is None else t.to(dtype)
     q, k, v, g, beta, initial_state = map(cast, (q, k, v, g, beta, initial_state))
     omega = random_features(spec, call.head_dim, q.device, dtype)
+    # grouped value heads: value head h reads query / key head h // (HV / H)
+    q, k = (t.repeat_interleave(call.heads // call.qk_heads, 2) for t in (q, k))
     qh, kh = featurize(spec, q, k, call.scale, omega)
     if spec.normalize == "sum":
         v = torch.cat([v, torch.ones_like(v[..., :1])], -1)

@@ -32,6 +32,7 @@ class Shape:
     value_dim: int = 6
     k_len: int | None = None              # softmax only; defaults to q_len
     kv_heads: int | None = None           # softmax only: key / value heads (dividing heads); defaults to heads
+    value_heads: int | None = None        # linear only: value / state heads (a multiple of heads); defaults to heads
     cu_seqlens: tuple[int, ...] | None = None
 
 
@@ -43,9 +44,11 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
     Tk = shape.k_len or T
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     args: dict = {}
+    HV = shape.value_heads or H
     if spec.is_linear:
-        args.update(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, H, V))
-        g_shape = {"none": None, "constant": (H,), "scalar": (B, T, H), "vector": (B, T, H, K)}[spec.decay]
+        # g, beta and the state are per value head
+        args.update(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, HV, V))
+        g_shape = {"none": None, "constant": (HV,), "scalar": (B, T, HV), "vector": (B, T, HV, K)}[spec.decay]
     else:
         Hkv = shape.kv_heads or H
         args.update(q=rnd(B, T, H, K), k=rnd(B, Tk, Hkv, K), v=rnd(B, Tk, Hkv, V))
@@ -54,14 +57,14 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
         # log(sigmoid(x)) spans mild to strong decays; decay_strength scales it.
         args["g"] = torch.nn.functional.logsigmoid(rnd(*g_shape) + 2.0) * decay_strength
     if spec.is_linear and spec.update == "delta":
-        args["beta"] = torch.sigmoid(rnd(B, T, H))
+        args["beta"] = torch.sigmoid(rnd(B, T, HV))
     if shape.cu_seqlens is not None:
         args["cu_seqlens"] = torch.tensor(shape.cu_seqlens, dtype=torch.int64)
     if spec.is_linear and initial_state:
         N = B if shape.cu_seqlens is None else len(shape.cu_seqlens) - 1
         F = spec.feature_dim(K)
         Vs = V + 1 if spec.normalize == "sum" else V
-        s0 = rnd(N, H, F, Vs) * 0.1
+        s0 = rnd(N, HV, F, Vs) * 0.1
         args["initial_state"] = s0.abs() if spec.normalize == "sum" else s0
     out = {}
     for name, t in args.items():

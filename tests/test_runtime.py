@@ -57,36 +57,36 @@ BAD_LINEAR = [
     # (id, spec, edit of the valid inputs, argument named, text the message must also hold)
     ("q_rank", "gated_deltanet", put("q", lambda a: a["q"][0]), "q", "[B, T, H, K]"),
     ("k_rank", "gated_deltanet", put("k", lambda a: a["k"][..., None]), "k", "[B, T, H, K]"),
-    ("v_rank", "gated_deltanet", put("v", lambda a: a["v"].flatten(2)), "v", "[B, T, H, V]"),
+    ("v_rank", "gated_deltanet", put("v", lambda a: a["v"].flatten(2)), "v", "[B, T, HV, V]"),
     ("q_not_tensor", "gated_deltanet", put("q", lambda a: a["q"].tolist()), "q", "tensor"),
     ("q_int_dtype", "mamba2", put("q", lambda a: a["q"].long()), "q", "floating"),
     ("k_shape", "gated_deltanet", put("k", lambda a: a["k"][:, :-1]), "k", "[B, T, H, K]"),
     ("k_head_dim", "mamba2", put("k", lambda a: a["k"][..., :-1]), "k", "[B, T, H, K]"),
-    ("v_time", "gated_deltanet", put("v", lambda a: a["v"][:, 1:]), "v", "[B, T, H, V]"),
-    ("v_heads", "mamba2", put("v", lambda a: a["v"][:, :, :1]), "v", "[B, T, H, V]"),
+    ("v_time", "gated_deltanet", put("v", lambda a: a["v"][:, 1:]), "v", "[B, T, HV, V]"),
+    ("v_heads", "mamba2", put("v", lambda a: a["v"][:, :, :1]), "v", "must be a multiple of the query / key heads"),
     ("k_dtype", "gated_deltanet", put("k", lambda a: a["k"].float()), "k", "dtype"),
     ("v_dtype", "mamba2", put("v", lambda a: a["v"].half()), "v", "dtype"),
-    ("g_missing_scalar", "gated_deltanet", drop("g"), "g", "[B, T, H]"),
-    ("g_missing_vector", "gla", drop("g"), "g", "[B, T, H, K]"),
-    ("g_missing_constant", "retnet", drop("g"), "g", "[H]"),
+    ("g_missing_scalar", "gated_deltanet", drop("g"), "g", "[B, T, HV]"),
+    ("g_missing_vector", "gla", drop("g"), "g", "[B, T, HV, K]"),
+    ("g_missing_constant", "retnet", drop("g"), "g", "[HV]"),
     ("g_for_decay_none", "deltanet", put("g", lambda a: torch.zeros(B, T, H, dtype=torch.float64)), "g", "none"),
-    ("g_rank_scalar", "mamba2", put("g", lambda a: a["g"][..., None]), "g", "[B, T, H]"),
-    ("g_shape_vector", "gla", put("g", lambda a: a["g"][..., :-1]), "g", "[B, T, H, K]"),
-    ("g_shape_constant", "retnet", put("g", lambda a: a["g"][:-1]), "g", "[H]"),
-    ("beta_missing", "deltanet", drop("beta"), "beta", "[B, T, H]"),
+    ("g_rank_scalar", "mamba2", put("g", lambda a: a["g"][..., None]), "g", "[B, T, HV]"),
+    ("g_shape_vector", "gla", put("g", lambda a: a["g"][..., :-1]), "g", "[B, T, HV, K]"),
+    ("g_shape_constant", "retnet", put("g", lambda a: a["g"][:-1]), "g", "[HV]"),
+    ("beta_missing", "deltanet", drop("beta"), "beta", "[B, T, HV]"),
     ("beta_for_additive", "mamba2", put("beta", lambda a: torch.ones(B, T, H, dtype=torch.float64)), "beta",
      "additive"),
-    ("beta_shape", "kda", put("beta", lambda a: a["beta"][:, :-1]), "beta", "[B, T, H]"),
+    ("beta_shape", "kda", put("beta", lambda a: a["beta"][:, :-1]), "beta", "[B, T, HV]"),
     ("initial_state_shape", "gated_deltanet", put("initial_state", lambda a: a["initial_state"][..., :-1]),
-     "initial_state", "[N, H, F, V]"),
+     "initial_state", "[N, HV, F, V]"),
     ("initial_state_rank", "gla", put("initial_state", lambda a: a["initial_state"][0]), "initial_state",
-     "[N, H, F, V]"),
+     "[N, HV, F, V]"),
     ("initial_state_batch", "mamba2", put("initial_state", lambda a: a["initial_state"][:1]), "initial_state",
-     "[N, H, F, V]"),
+     "[N, HV, F, V]"),
     ("initial_state_sum_without_z", "linear_transformer",
      put("initial_state", lambda a: a["initial_state"][..., :-1]), "initial_state", "V + 1"),
     ("initial_state_features", "performer", put("initial_state", lambda a: a["initial_state"][:, :, :K]),
-     "initial_state", "[N, H, F, V]"),
+     "initial_state", "[N, HV, F, V]"),
     # one input head-first [B, H, T, D] among time-major ones: the error says so
     ("k_head_first", "gated_deltanet", put("k", lambda a: a["k"].transpose(1, 2)), "k",
      "looks head-first", "k.transpose(1, 2)"),
@@ -153,7 +153,7 @@ def test_initial_state_per_packed_sequence():
     op = attngen.load("specs/gated_deltanet.yaml")
     inputs = random_inputs(op.spec, PACKED, seed=0)
     op(**inputs)
-    with raises_naming("initial_state", "[N, H, F, V]"):
+    with raises_naming("initial_state", "[N, HV, F, V]"):
         op(**{**inputs, "initial_state": inputs["initial_state"][:2]})
 
 
