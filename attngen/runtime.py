@@ -176,7 +176,8 @@ class Op:
                        tokens: int = 1, scale: float | None = None, heads: int | None = None) -> serving.DecodeStep:
         """A decode step of `batch` sequences of `tokens` tokens on `cache`, checked and planned once:
         step(q, k, v, g=None, beta=None, *, slots) -> o (serving.DecodeStep); heads: a softmax op's
-        query heads (default: the cache's key / value heads). Where the kernels run (route, read
+        query heads (default: the cache's key / value heads), a linear op's query / key heads (dividing
+        the cache's value heads: grouped value heads; default: the cache's heads). Where the kernels run (route, read
         now) a call launches them alone; elsewhere it is a call of the op."""
         held = getattr(cache, "state" if self.spec.is_linear else "k", None)
         device = held.device if isinstance(held, torch.Tensor) else torch.device("cpu")

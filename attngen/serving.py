@@ -243,8 +243,8 @@ def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_s
 
 class DecodeStep:
     """A decode (or few-token) call on a StateCache, prepared for fixed shapes: step(q, k, v,
-    g=None, beta=None, *, slots) with q [N, T, H, K], k [N, T, H (softmax: H_kv), K], v [.., V]
-    contiguous (g, beta as for the op) -> o [N, T, H, V]. The checks, the plan and the launch
+    g=None, beta=None, *, slots) with q [N, T, H, K], k [N, T, H (softmax: H_kv), K], v [N, T, H
+    (softmax: H_kv; linear: HV), V] contiguous (g, beta as for the op) -> o [N, T, H (linear: HV), V]. The checks, the plan and the launch
     configuration are done once here; on the kernels a call compares the inputs' shapes, dtypes
     and contiguity with the prepared ones (host metadata, about a microsecond: a mismatch would
     read the wrong elements) and launches the kernels, with no host sync: capturable in a CUDA
@@ -262,18 +262,27 @@ class DecodeStep:
             raise ValueError(f"dtype: expected float16, bfloat16, float32 or float64, got {dtype}")
         if not isinstance(cache, StateCache):
             raise ValueError(f"cache: expected an attngen.StateCache, got {type(cache).__name__}")
-        if spec.is_linear and heads is not None:
-            raise ValueError("heads: a linear op's query heads are its state's; pass none")
         self.op, self.cache, self.dtype, self.validate = op, cache, dtype, validate
-        N, T, HK, K, V = self.batch, self.tokens, cache.heads, cache.head_dim, cache.value_dim
-        H = HK if heads is None else _positive("heads", heads)
+        N, T, HC, K, V = self.batch, self.tokens, cache.heads, cache.head_dim, cache.value_dim
+        # the query heads: softmax H, a multiple of the cache's H_kv; linear H, dividing the cache's
+        # (value) heads HV (grouped value heads); both default to the cache's heads
+        H = HC if heads is None else _positive("heads", heads)
+        if spec.is_linear and HC % H:
+            raise ValueError(f"heads: the query / key heads H = {H} must divide the cache's value heads HV = {HC} "
+                             "(grouped value heads: HV // H value heads share a query / key head)")
         held = cache.state if spec.is_linear else cache.k
         device = held.device
-        self.shapes = {"q": (N, T, H, K), "k": (N, T, HK, K), "v": (N, T, HK, V)}
+        if spec.is_linear:
+            # g, beta and the state are per value head
+            self.shapes = {"q": (N, T, H, K), "k": (N, T, H, K), "v": (N, T, HC, V)}
+            HG = HC
+        else:
+            self.shapes = {"q": (N, T, H, K), "k": (N, T, HC, K), "v": (N, T, HC, V)}
+            HG = H
         if spec.decay != "none":
-            self.shapes["g"] = {"constant": (H,), "scalar": (N, T, H), "vector": (N, T, H, K)}[spec.decay]
+            self.shapes["g"] = {"constant": (HG,), "scalar": (N, T, HG), "vector": (N, T, HG, K)}[spec.decay]
         if spec.update == "delta":
-            self.shapes["beta"] = (N, T, H)
+            self.shapes["beta"] = (N, T, HG)
         # the checks of a call, once, on (meta) inputs of the prepared shapes
         probe = {n: torch.empty(s, dtype=dtype if n in ("q", "k", "v") else torch.float32, device="meta")
                  for n, s in self.shapes.items()}
@@ -285,11 +294,11 @@ class DecodeStep:
         self._sg = torch.Size(self.shapes["g"]) if "g" in self.shapes else None
         self._sb = torch.Size(self.shapes["beta"]) if "beta" in self.shapes else None
         self._sn = torch.Size((N,))
-        self.out = torch.empty(N, T, H, V, dtype=dtype, device=device) if spec.is_linear else None
+        self.out = torch.empty(N, T, HC, V, dtype=dtype, device=device) if spec.is_linear else None
         self._run = None
         if module is not None and spec.is_linear:
             self._omega = op.features(K, device, torch.float32)
-            self._run = module.recurrent_launch(N, T, H, K, V, cache.feature_dim, N, False, True, True, True)
+            self._run = module.recurrent_launch(N, T, HC, K, V, cache.feature_dim, N, False, True, True, True, HC // H)
         elif module is not None:
             self._run = module.cached_forward
             self._launch = op.cache_launch(call, cache.k.shape[1], device, dtype)

@@ -67,6 +67,7 @@ def phi_grad(x):
 # [F, BV] in registers, reads each token once and writes its output. Serves short
 # sequences and decode (T = 1 with an initial state): the state is read and written once. With
 # STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
+# H is the value (state) heads; q and k have H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
 def recurrent_fwd_kernel(
@@ -78,6 +79,7 @@ def recurrent_fwd_kernel(
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
+    QK_GROUP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -111,9 +113,11 @@ def recurrent_fwd_kernel(
 
     for t in range(0, T_seq):
         i_tok = (bos + t) * H + i_h
+        # the token's row of q and k (qk_rows)
+        i_qk = (i_tok // QK_GROUP)
         # [BK] -> [BF]
-        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = tl.load(q + i_qk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_qk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         # [BV]
         b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-06)
@@ -134,17 +138,19 @@ def recurrent_fwd_kernel(
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
-def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
-    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
-    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
-    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_group=1):
+    """The token loop's launch for calls of these sizes and flags (H the value heads, qk_group of them
+    per q / k head), its grid, blocks and constexprs fixed here once: run(q, k, v, g, beta, omega, h0,
+    o, ht, cu_seqlens, state_indices, S, scale) launches recurrent_fwd_kernel and nothing else (a
+    prepared decode step calls only run)."""
     VS = V
     BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
     BV = min(triton.next_power_of_2(V), 32)
     grid = (N * H, triton.cdiv(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
-    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
+                QK_GROUP=qk_group)
 
     def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
         recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
@@ -155,12 +161,13 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
 
 def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
                   state_indices=None):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
+    value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
     sequence n's state is its row state_indices[n], read and written back in place (the final
     state returned is the cache; rows outside [0, S) are neither read nor written)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -172,7 +179,7 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     S = initial_state.shape[0] if initial_state is not None else N
     run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
-                           indexed or output_final_state, indexed)
+                           indexed or output_final_state, indexed, H // HK)
     run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
@@ -507,7 +514,9 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
-# inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk.
+# inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk. H is the value (state) heads: v,
+# g, beta, o and every per-token buffer have H; q and k have H // QK_GROUP (grouped value heads), read
+# at the rows qk_rows(o_tok), each key featurized by every value head that reads it.
 
 @triton.jit
 def chunked_round(x, DROP: tl.constexpr):
@@ -552,7 +561,7 @@ def chunked_ut_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
@@ -588,10 +597,10 @@ def chunked_ut_kernel(
     m_t0 = o_t0 < T_seq
     o_tok0 = (bos + o_t0) * H + i_h
     # [16, BK] -> [16, BF]
-    b_k0 = tl.load(k + o_tok0[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
     # [BK, 16] -> [BF, 16] the keys transposed by the load
-    b_kt0 = tl.load(k + o_tok0[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+    b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
     b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
@@ -617,7 +626,7 @@ def chunked_ut_kernel(
         for d in range(1, 16):
             m_d = m_t0 & (o_j >= d)
             b_W += floor_log_decay(tl.load(g + (o_tok0 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-            b_ks = tl.load(k + (o_tok0 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_ks = tl.load(k + ((o_tok0 - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
             b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
             b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
     b_A00 = b_A00 * b_beta0[:, None]
@@ -641,10 +650,10 @@ def chunked_ut_kernel(
         m_t1 = o_t1 < T_seq
         o_tok1 = (bos + o_t1) * H + i_h
         # [16, BK] -> [16, BF]
-        b_k1 = tl.load(k + o_tok1[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k1 = tl.load(k + (o_tok1 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
         # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt1 = tl.load(k + o_tok1[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
+        b_kt1 = tl.load(k + (o_tok1 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
         b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
@@ -673,7 +682,7 @@ def chunked_ut_kernel(
             for d in range(1, 16):
                 m_d = m_t1 & (o_j >= d)
                 b_W += floor_log_decay(tl.load(g + (o_tok1 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-                b_ks = tl.load(k + (o_tok1 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = tl.load(k + ((o_tok1 - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
         b_A11 = b_A11 * b_beta1[:, None]
@@ -698,10 +707,10 @@ def chunked_ut_kernel(
         m_t2 = o_t2 < T_seq
         o_tok2 = (bos + o_t2) * H + i_h
         # [16, BK] -> [16, BF]
-        b_k2 = tl.load(k + o_tok2[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k2 = tl.load(k + (o_tok2 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
         # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt2 = tl.load(k + o_tok2[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
+        b_kt2 = tl.load(k + (o_tok2 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
         b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
@@ -733,7 +742,7 @@ def chunked_ut_kernel(
             for d in range(1, 16):
                 m_d = m_t2 & (o_j >= d)
                 b_W += floor_log_decay(tl.load(g + (o_tok2 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-                b_ks = tl.load(k + (o_tok2 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = tl.load(k + ((o_tok2 - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
         b_A22 = b_A22 * b_beta2[:, None]
@@ -758,10 +767,10 @@ def chunked_ut_kernel(
         m_t3 = o_t3 < T_seq
         o_tok3 = (bos + o_t3) * H + i_h
         # [16, BK] -> [16, BF]
-        b_k3 = tl.load(k + o_tok3[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k3 = tl.load(k + (o_tok3 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
         # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt3 = tl.load(k + o_tok3[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
+        b_kt3 = tl.load(k + (o_tok3 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
         b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
@@ -796,7 +805,7 @@ def chunked_ut_kernel(
             for d in range(1, 16):
                 m_d = m_t3 & (o_j >= d)
                 b_W += floor_log_decay(tl.load(g + (o_tok3 - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-                b_ks = tl.load(k + (o_tok3 - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = tl.load(k + ((o_tok3 - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
         b_A33 = b_A33 * b_beta3[:, None]
@@ -838,7 +847,7 @@ def chunked_ut_kernel(
     b_gam_C = tl.exp(b_GC.to(tl.float32))
 
     # [BT, BK] -> [BT, BF]
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
 
     # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)
@@ -949,6 +958,8 @@ def chunked_output_kernel(
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
+    QK_GROUP: tl.constexpr = 1,
 ):
     # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
     # state S_c
@@ -990,16 +1001,16 @@ def chunked_output_kernel(
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
         # [16, BK] -> [16, BF] queries and keys
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
         b_q = b_q * scale
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
         # [16, BF] G, from the log decays (0 on padded tokens) in float64; the queries read H through exp(G)
         b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
         b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
         # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
-        b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
         b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64))
         b_GB = tl.sum(b_gt, 1)
@@ -1013,7 +1024,7 @@ def chunked_output_kernel(
             for d in range(1, 16):
                 m_d = m_t & (o_j >= d)
                 b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_ks = tl.load(k + ((o_tok - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
         # [16, BV] the values the block writes (chunked_states_kernel's U)
@@ -1051,12 +1062,17 @@ def chunk_slots(cu_seqlens, B, T, chunk):
 
 
 def chunked_dims(q, v, omega):
-    """(B, T, H, K, V, F, VS) of a call: q [B, T, H, K], v [.., V], F features (FAVOR+'s rows of
-    omega, else K) and VS state columns (V)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    """(B, T, H, K, V, F, VS) of a call: q [B, T, HK, K], v [B, T, H, V] (H the value heads), F
+    features (FAVOR+'s rows of omega, else K) and VS state columns (V)."""
+    B, T, _, K = q.shape
+    H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
     return B, T, H, K, V, F, V
+
+
+def chunked_qk_group(q, v):
+    """QK_GROUP: the value heads of v per query / key head of q (grouped value heads; 1 without)."""
+    return v.shape[2] // q.shape[2]
 
 
 # The launch knobs of a call (chunk, tile sizes, warps, stages, registers) as the op takes them, a
@@ -1134,7 +1150,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     gc = torch.empty(n_slots, H, F, **f32)
     chunked_ut_kernel[(n_slots, H)](
         k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, num_warps=launch.prepare_warps, maxnreg=launch.maxnreg, **meta,
+        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, QK_GROUP=chunked_qk_group(q, v), num_warps=launch.prepare_warps,
+        maxnreg=launch.maxnreg, **meta,
     )
     h = torch.empty(n_slots, H, F, VS, **f32)
     indexed = state_indices is not None
@@ -1153,9 +1170,9 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
                 state_indices=None):
-    """Launch the chunked form. q, k [B, T, H, K], v [B, T, H, V] contiguous, launch a ChunkedLaunch
-    -> o like v, final state [N, H, F, VS] float32 (or None; the cache, with state_indices: see
-    chunked_states)."""
+    """Launch the chunked form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
+    grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
+    None; the cache, with state_indices: see chunked_states)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
@@ -1166,7 +1183,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=chunked_qk_group(q, v), num_warps=launch.output_warps,
+        maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
@@ -1984,7 +2002,8 @@ def op(
 
 @op.register_fake
 def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
+    H = v.shape[2]  # the value heads
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1]
@@ -2037,10 +2056,18 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
-    (None for omega and cu_seqlens, and for inputs that were None)."""
+    (None for omega and cu_seqlens, and for inputs that were None).
+    Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
+    expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
+    summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
-                                             do.contiguous(), dht)
+    group = v.shape[2] // q.shape[2]
+    q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form,
+                                             launch, do.contiguous(), dht)
+    if group > 1:
+        # summed in float32: bf16 gradients would round at each of the G - 1 additions
+        dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
     present = lambda gr, t: gr if t is not None else None
     return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None
 

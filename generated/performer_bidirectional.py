@@ -85,6 +85,7 @@ def favor_exponent_tile_t(w, x, F64: tl.constexpr):
 # [F, BV] in registers, reads each token once and writes its output. Serves short
 # sequences and decode (T = 1 with an initial state): the state is read and written once. With
 # STATE_INDEXED, each sequence's state is its slot of a serving cache, read and written in place.
+# H is the value (state) heads; q and k have H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
 def recurrent_fwd_kernel(
@@ -96,6 +97,7 @@ def recurrent_fwd_kernel(
     # meta
     BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
+    QK_GROUP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -133,9 +135,11 @@ def recurrent_fwd_kernel(
 
     for t in range(0, T_seq):
         i_tok = (bos + t) * H + i_h
+        # the token's row of q and k (qk_rows)
+        i_qk = (i_tok // QK_GROUP)
         # [BK] -> [BF]
-        b_q = tl.load(q + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + i_tok * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = tl.load(q + i_qk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_k = tl.load(k + i_qk * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         # [BV]
         b_v = tl.load(v + i_tok * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_q = b_q * x_scale
@@ -156,10 +160,11 @@ def recurrent_fwd_kernel(
             tl.store(ht + (i_row * H + i_h) * F * VS + o_f * VS + V, b_z, mask=tl.where(m_row_ok, m_f, False))
 
 
-def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
-    """The token loop's launch for calls of these sizes and flags, its grid, blocks and constexprs
-    fixed here once: run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale)
-    launches recurrent_fwd_kernel and nothing else (a prepared decode step calls only run)."""
+def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_group=1):
+    """The token loop's launch for calls of these sizes and flags (H the value heads, qk_group of them
+    per q / k head), its grid, blocks and constexprs fixed here once: run(q, k, v, g, beta, omega, h0,
+    o, ht, cu_seqlens, state_indices, S, scale) launches recurrent_fwd_kernel and nothing else (a
+    prepared decode step calls only run)."""
     VS = V + 1  # the normalizer column
     BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
     # in place (indexed), every value block's program reads the normalizer column z and the first
@@ -168,7 +173,8 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
     grid = (N * H, triton.cdiv(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
-    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed)
+    meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
+                QK_GROUP=qk_group)
 
     def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
         recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
@@ -179,12 +185,13 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed):
 
 def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
                   state_indices=None):
-    """Launch the token loop. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state.
+    """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
+    value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
     sequence n's state is its row state_indices[n], read and written back in place (the final
     state returned is the cache; rows outside [0, S) are neither read nor written)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -196,7 +203,7 @@ def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, out
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     S = initial_state.shape[0] if initial_state is not None else N
     run = recurrent_launch(B, T, H, K, V, F, N, cu_seqlens is not None, initial_state is not None,
-                           indexed or output_final_state, indexed)
+                           indexed or output_final_state, indexed, H // HK)
     run(q, k, v, g, beta, omega, initial_state, o, ht, cu_seqlens, state_indices, S, scale)
     return o, ht
 # ---------------------------------------------------------------------------- recurrent backward
@@ -481,7 +488,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # tiles [BT, *]: the first accumulates the state block [BF, BV] and z [BF], the second
 # reads out o = q̂ S / (q̂ z + eps). Keys are featurized transposed, [BK, BT] -> [BF, BT],
 # so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee"
-# (FAVOR+'s projections float64 for float32 inputs: F64).
+# (FAVOR+'s projections float64 for float32 inputs: F64). H is the value (state) heads; q and k have
+# H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
 def bidirectional_fwd_kernel(
@@ -493,6 +501,7 @@ def bidirectional_fwd_kernel(
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F64: tl.constexpr,
+    QK_GROUP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -526,7 +535,7 @@ def bidirectional_fwd_kernel(
         m_t = o_t < T_seq
         i_tok = (bos + o_t) * H + i_h
         # [BK, BT] keys, loaded transposed -> [BF, BT] features
-        b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_kt = tl.load(k + (i_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         b_kt = b_kt * x_scale
         b_kt = favor_exponent_tile_t(b_omega, b_kt, F64)
         b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
@@ -544,7 +553,7 @@ def bidirectional_fwd_kernel(
         m_t = o_t < T_seq
         i_tok = (bos + o_t) * H + i_h
         # [BT, BK] -> [BT, BF]
-        b_q = tl.load(q + i_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_q = tl.load(q + (i_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_q = b_q * x_scale
         b_q = favor_exponent_tile(b_q, b_omega_t, F64)
         b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
@@ -561,9 +570,10 @@ def bidirectional_fwd_kernel(
 
 
 def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the bidirectional form. q, k [B, T, H, K], v [B, T, H, V] contiguous -> o, final state."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
+    """Launch the bidirectional form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
+    grouped value heads) -> o, final state."""
+    B, T, HK, K = q.shape
+    H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -580,7 +590,7 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=BT, BK=BK, BF=BF, BV=BV,
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        F64=q.dtype == torch.float32, num_warps=4 if BF <= 64 else 8, num_stages=2,
+        F64=q.dtype == torch.float32, QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
     )
     return o, ht
 
@@ -616,7 +626,8 @@ def op(
 
 @op.register_fake
 def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
-    B, T, H, K = q.shape
+    B, T, _, K = q.shape
+    H = v.shape[2]  # the value heads
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1] + 1
@@ -653,10 +664,18 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
-    (None for omega and cu_seqlens, and for inputs that were None)."""
+    (None for omega and cu_seqlens, and for inputs that were None).
+    Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
+    expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
+    summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
-                                             do.contiguous(), dht)
+    group = v.shape[2] // q.shape[2]
+    q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
+    dq, dk, dv, dg, dbeta, dh0 = backward_op(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form,
+                                             launch, do.contiguous(), dht)
+    if group > 1:
+        # summed in float32: bf16 gradients would round at each of the G - 1 additions
+        dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
     present = lambda gr, t: gr if t is not None else None
     return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None
 
