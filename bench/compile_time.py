@@ -1,7 +1,7 @@
 """Compile a spec's Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report each
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
-    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--bwd]
+    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--group 1] [--bwd]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -68,6 +68,8 @@ def main():
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--T", type=int, default=63)
     p.add_argument("--D", type=int, default=128)
+    p.add_argument("--group", type=int, default=1,
+                   help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -93,7 +95,8 @@ def main():
 
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]
-    shape = Shape(batch=1, q_len=args.T, heads=2, head_dim=args.D, value_dim=args.D)
+    shape = Shape(batch=1, q_len=args.T, heads=2, head_dim=args.D, value_dim=args.D,
+                  value_heads=2 * args.group if op.spec.is_linear else None)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape, seed=0).items()}
     if args.bwd:
         for t in inputs.values():
@@ -106,7 +109,7 @@ def main():
     total = time.perf_counter() - t0
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D}{' +bwd' if args.bwd else ''}: "
+    print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
     for seconds, name, kernel in compiled:
         md = kernel.metadata
