@@ -180,6 +180,9 @@ BAD_CALLS = {
                                                        "to the shards' total 12"] * 2),
     "cu_seqlens batch": (dict(cu_seqlens=[0, 3, 12], batch=2),
                          ["cu_seqlens: packed sequences need batch size 1"] * 2),
+    # v, g with 4 value heads on q, k with 2
+    "grouped value heads": (dict(value_heads=True), ["v: 4 value heads on 2 query / key heads (grouped value heads) "
+                                                     "are not supported by context parallelism"] * 2),
 }
 
 
@@ -194,11 +197,14 @@ def bad_call_messages(rank: int, group) -> dict[str, str]:
         x = torch.randn(B, T, 2, 8, dtype=torch.float64)
         g = -torch.rand(B, T, 2, dtype=torch.float64)
         s0 = torch.zeros(B + 1 - rank, 2, 8, 6, dtype=torch.float64) if kw.pop("initial_state", False) else None
+        v = x[..., :6]
+        if kw.pop("value_heads", False):
+            v, g = v.repeat_interleave(2, 2), g.repeat_interleave(2, 2)
         if "cu_seqlens" in kw:
             kw["cu_seqlens"] = torch.tensor(kw["cu_seqlens"])
             kw.setdefault("shard_lengths", [5, 7])
         try:
-            cp(x, x, x[..., :6], g, initial_state=s0, **kw)
+            cp(x, x, v, g, initial_state=s0, **kw)
             out[what] = "no error"
         except ValueError as e:
             out[what] = str(e)
