@@ -144,7 +144,7 @@ class Op:
                              "are for attention: linear)")
         call = check_softmax(self.spec, q, k, v, g, scale, cu_seqlens)
         serving.check_cache(self.spec, call, q, cache, slots)
-        serving.check_inference(q=q, k=k, v=v)
+        serving.check_inference(q=q, k=k, v=v, g=g)
         if validating():
             validate_values(q, k, v, g)
             serving.validate_slots(slots, cache.num_slots)
@@ -156,17 +156,19 @@ class Op:
         if _use_kernels(self.spec, q):
             if self._kernels is None:
                 self._kernels = kernels_for(self)
-            args = (q, k, v, cache.k, cache.v, cache.lengths, slots, cu_seqlens, call.scale, call.max_len,
-                     cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
+            # with decay, the new positions' log decays and the cache's G pairs
+            gates = ((g,), (cache.g_hi, cache.g_lo)) if self.spec.decay == "scalar" else ((), ())
+            args = (q, k, v, *gates[0], cache.k, cache.v, *gates[1], cache.lengths, slots, cu_seqlens, call.scale,
+                    call.max_len, cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
             if torch.compiler.is_compiling():
                 return self._kernels.cached_op(*args)
             return self._kernels.cached_forward(*args)
 
-        def attend(q_n, k_n, v_n):
-            call_n = check_softmax(self.spec, q_n, k_n, v_n, None, call.scale)
-            return self._run_torch(call_n, choice, q_n, k_n, v_n, None, None, None, False, None)
+        def attend(q_n, k_n, v_n, g_n):
+            call_n = check_softmax(self.spec, q_n, k_n, v_n, g_n, call.scale)
+            return self._run_torch(call_n, choice, q_n, k_n, v_n, g_n, None, None, False, None)
 
-        return serving.run_torch_keys(attend, cache, slots, q, k, v, cu_seqlens)
+        return serving.run_torch_keys(attend, cache, slots, q, k, v, cu_seqlens, g)
 
     def cache_launch(self, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
         """The softmax kernels' launch knobs for a call on a key/value cache (cache_launch)."""

@@ -11,12 +11,13 @@ nothing of its slot is read or written.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
 
 from .inputs import Call, check_linear, check_softmax, validate_values
-from .spec import Spec
+from .spec import LOG_DECAY_FLOOR, Spec
 
 # The slot of a padding entry: its sequence runs from a zero state and nothing is stored.
 PAD_SLOT = -1
@@ -32,6 +33,10 @@ def _positive(name: str, value) -> int:
 # Tokens one call may append to a sliding-window cache by default (StateCache's max_piece).
 DEFAULT_MAX_PIECE = 64
 
+# A softmax cache with decay keeps G, the cumulative log decay, in log2 units: the kernels' scores are
+# in log2 units (exp2 is their softmax's exponential).
+LOG2E = math.log2(math.e)
+
 
 class StateCache:
     """One layer's serving state, by request slot. A linear op's: the recurrent state of every
@@ -42,19 +47,25 @@ class StateCache:
     tokens each slot has seen; key position p sits at row p % L. Causal attention keeps every key
     (L = max_len, the most tokens a request holds); a sliding window of w keeps the last
     L = w + max_piece - 1 (a ring: a call of at most max_piece tokens still finds the keys its
-    first query needs), or max_len if smaller. `reset(slots)` empties slots for new requests."""
+    first query needs), or max_len if smaller. With scalar decay (forgetting attention) also `g_hi`,
+    `g_lo` [slots, L, H] (H = query_heads, default heads: the log decays are per query head): each
+    key position's G, the sum of its request's log decays up to it (floored as the kernels floor
+    them; log2 units), as a float pair g_hi + g_lo (float32; float64 and zeros for float64 caches),
+    position p at row p % L: a query at position t weighs key j by exp(G_t - G_j), so the cached keys
+    need theirs. `reset(slots)` empties slots for new requests."""
 
     def __init__(self, op, slots: int, heads: int, head_dim: int, value_dim: int, device=None,
-                 dtype: torch.dtype = torch.float32, *, max_len: int | None = None, max_piece: int | None = None):
+                 dtype: torch.dtype = torch.float32, *, max_len: int | None = None, max_piece: int | None = None,
+                 query_heads: int | None = None):
         spec = getattr(op, "spec", None)
         if not isinstance(spec, Spec):
             raise ValueError(f"op: expected an attngen op (attngen.load), got {type(op).__name__}")
         if spec.mask == "bidirectional":
             raise ValueError(f"op: spec {spec.name!r} has mask: bidirectional, whose outputs read the whole "
                              "sequence: it cannot be served token by token; allowed: causal specs")
-        if not spec.is_linear and spec.decay != "none":
-            raise ValueError(f"op: spec {spec.name!r} has decay: {spec.decay}; a StateCache holds the keys of "
-                             "softmax specs without decay (causal or sliding window)")
+        if query_heads is not None and (spec.is_linear or spec.decay == "none"):
+            raise ValueError(f"query_heads: only a softmax cache with decay keeps per query head log decays; spec "
+                             f"{spec.name!r} takes none (got {query_heads!r})")
         self.spec = spec
         self.num_slots = _positive("slots", slots)
         self.heads = _positive("heads", heads)
@@ -88,6 +99,14 @@ class StateCache:
         self.k = torch.zeros(*shape, self.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros(*shape, self.value_dim, dtype=dtype, device=device)
         self.lengths = torch.zeros(self.num_slots, dtype=torch.int32, device=device)
+        self.query_heads = self.heads if query_heads is None else _positive("query_heads", query_heads)
+        if self.query_heads % self.heads:
+            raise ValueError(f"query_heads: the query heads H = {self.query_heads} must be a multiple of the cache's "
+                             f"key / value heads H_kv = {self.heads} (grouped-query attention)")
+        if spec.decay == "scalar":
+            gates = torch.float64 if dtype == torch.float64 else torch.float32
+            self.g_hi = torch.zeros(self.num_slots, self.capacity, self.query_heads, dtype=gates, device=device)
+            self.g_lo = torch.zeros_like(self.g_hi)
 
     @property
     def wraps(self) -> bool:
@@ -157,6 +176,9 @@ def _check_keys(spec: Spec, call: Call, q: torch.Tensor, cache: StateCache) -> N
         raise ValueError(f"cache: holds {cache.k.dtype} keys, but the inputs are {q.dtype}")
     if cache.k.device != q.device:
         raise ValueError(f"cache: on device {cache.k.device}, expected {q.device} (that of q)")
+    if spec.decay == "scalar" and cache.query_heads != call.heads:
+        raise ValueError(f"cache: keeps the log decays of H = {cache.query_heads} query heads (its query_heads), but "
+                         f"this call's q has H = {call.heads}")
     if cache.wraps and call.max_len > cache.capacity - spec.window + 1:
         most = cache.capacity - spec.window + 1
         raise ValueError(f"q: a sequence of {call.max_len} new tokens on a sliding-window cache of {cache.capacity} "
@@ -215,10 +237,13 @@ def run_torch(run, cache: StateCache, slots: torch.Tensor):
     return o
 
 
-def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_seqlens):
+def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_seqlens, g=None):
     """A call on a softmax cache through the PyTorch forms, one sequence at a time: its queries
-    attend (attend(q, k, v) -> o) to the keys its slot holds and its new ones, which are then
-    stored at their rows and its length advanced; a padding entry's outputs are zero."""
+    attend (attend(q, k, v, g) -> o) to the keys its slot holds and its new ones, which are then
+    stored at their rows and its length advanced; a padding entry's outputs are zero. With decay,
+    g [B, T, H] the new positions' log decays: the held keys' g are the differences of their G (the
+    first's is any: a query's weights depend on the decays after a key only), and the new positions'
+    G continue the slot's."""
     cu = cu_seqlens.tolist() if cu_seqlens is not None else None
     held = cache.lengths.tolist()
     outs = []
@@ -232,9 +257,19 @@ def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_s
             start, new = held[slot], k_n.shape[1]
             # the positions the slot still holds, then the new ones, at their rows p % L
             kept = torch.arange(start - min(start, cache.capacity), start, device=q.device) % cache.capacity
-            outs.append(attend(q_n, torch.cat([cache.k[slot, kept][None], k_n], 1),
-                               torch.cat([cache.v[slot, kept][None], v_n], 1)))
             fresh = torch.arange(start, start + new, device=q.device) % cache.capacity
+            g_all = None
+            if g is not None:
+                # [kept, H] the held positions' G (natural log units), float64
+                G = (cache.g_hi[slot, kept].to(torch.float64) + cache.g_lo[slot, kept].to(torch.float64)) / LOG2E
+                g_all = torch.cat([torch.diff(G, dim=0, prepend=G[:1])[None].to(g.dtype), g[rows]], 1)
+                g_new = g[rows][0].to(torch.float64).clamp(min=LOG_DECAY_FLOOR)
+                G_new = (G[-1] if start else 0.0) + torch.cumsum(g_new, 0)
+                G_hi = (G_new * LOG2E).to(cache.g_hi.dtype)
+                cache.g_hi[slot, fresh] = G_hi
+                cache.g_lo[slot, fresh] = (G_new * LOG2E - G_hi.to(torch.float64)).to(cache.g_lo.dtype)
+            outs.append(attend(q_n, torch.cat([cache.k[slot, kept][None], k_n], 1),
+                               torch.cat([cache.v[slot, kept][None], v_n], 1), g_all))
             cache.k[slot, fresh] = k_n[0]
             cache.v[slot, fresh] = v_n[0]
             cache.lengths[slot] = start + new
@@ -325,8 +360,11 @@ class DecodeStep:
         if self._run is None:
             if self.op.spec.is_linear:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
-            return self.op(q, k, v, scale=self.scale, cache=cache, slots=slots)
+            return self.op(q, k, v, g, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
+            if self._sg is not None:
+                return self._run(q, k, v, g, cache.k, cache.v, cache.g_hi, cache.g_lo, cache.lengths, slots, None,
+                                 self.scale, self.tokens, self._launch)
             return self._run(q, k, v, cache.k, cache.v, cache.lengths, slots, None, self.scale, self.tokens,
                              self._launch)
         state = cache.state

@@ -12,6 +12,8 @@ arithmetic is int64. Launch grids put sequences x heads on dimension 0: CUDA cap
 
 Importing this module registers, with their autograd:
 - torch.ops.attngen.forgetting_attention_782b1e2a242bbd2b (`op`): the kernels, positional, one per spec hash;
+- torch.ops.attngen.forgetting_attention_782b1e2a242bbd2b_cached (`cached_op`): the serving call on a state
+  cache's slots, read and written in place (attngen.StateCache; no autograd);
 - torch.ops.attngen.forgetting_attention: the runtime contract with keyword arguments, as `attention`
   below; a second spec named forgetting_attention in one process keeps only its hashed op (a warning says so).
   Called with the keyword return_lse, it runs its overload .lse: (o, lse), lse empty for False.
@@ -67,7 +69,7 @@ def floor_log_decay(x):
 # to about an ulp of the bias itself however large G grows, and the backward's bits.
 # KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
 # a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
-# this call's own appended first by kv_append_kernel.
+# this call's own appended first by kv_append_kernel; G too, a cache [S, L, H] of pairs, position p at row p % L.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).
@@ -105,7 +107,10 @@ def softmax_fwd_tiles(
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
-        i_gk = (k_bos + o_n) * H + i_h
+        if KV_CACHE:
+            i_gk = (k_bos + o_n % L) * H + i_h
+        else:
+            i_gk = (k_bos + o_n) * H + i_h
         b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
         b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
         b_s += (b_ghq[:, None] - b_ghk[None, :]) + (b_glq[:, None] - b_glk[None, :])
@@ -194,9 +199,13 @@ def softmax_fwd_kernel(
     # the key positions of the block's first and last real query
     p_lo = i_m * BM + (Tk_seq - Tq_seq)
     p_hi = tl.minimum(i_m * BM + BM, Tq_seq) - 1 + (Tk_seq - Tq_seq)
-    # [BM] G at each query's key position, as a float32 pair
-    b_ghq = tl.load(g_hi + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
-    b_glq = tl.load(g_lo + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
+    # [BM] G at each query's key position, as a float32 pair (a cache's: at its row)
+    if KV_CACHE:
+        i_gq = (k_bos + o_pos % L) * H + i_h
+    else:
+        i_gq = (k_bos + o_pos) * H + i_h
+    b_ghq = tl.load(g_hi + i_gq, mask=m_m, other=0.0)
+    b_glq = tl.load(g_lo + i_gq, mask=m_m, other=0.0)
     # key tiles: [0, i_edge) allowed for every query of the block, [i_edge, hi) masked
     lo = 0
     i_full = 0
@@ -377,7 +386,7 @@ def softmax_decay_pairs(g, cu_seqlens, is_fp64):
     return g_hi, (gc - g_hi.to(torch.float64)).to(torch.float32)
 
 
-def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, kv_lens=None):
+def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, kv_lens=None, g_pairs=None):
     """Launch the forward. q [B, Tq, H, K], k [B, Tk, HK, K], v [B, Tk, HK, V] contiguous, HK
     dividing H (g [B, Tk, H] the log decay, or None; max_len the longest packed sequence, with
     cu_seqlens, or None: read from it; launch a SoftmaxLaunch)
@@ -385,7 +394,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     log-sum-exp of each query's scores: float32, float64 for float64 inputs (the backward and
     the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
     kv_lens [S], k and v are a cache [S, L, HK, *] whose slot kv_slots[n] holds sequence n's
-    kv_lens[slot] keys (KV_CACHE)."""
+    kv_lens[slot] keys (KV_CACHE); g_pairs then is the cache's G pairs [S, L, H] in place of g."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
@@ -397,7 +406,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     if is_fp64:
         # a Triton float argument is float32: fold the scale into q to keep float64 exact
         q, qk_scale = q * qk_scale, 1.0
-    g_hi, g_lo = softmax_decay_pairs(g, cu_seqlens, is_fp64)
+    g_hi, g_lo = g_pairs if g_pairs is not None else softmax_decay_pairs(g, cu_seqlens, is_fp64)
     # Triton's interpreter (the CPU) multiplies bfloat16 tiles in tl.dot as raw integer bit
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
@@ -431,6 +440,90 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
         )
     return o, lse
 
+
+@triton.jit
+def kv_append_kernel(
+    # pointers
+    k, v, g_new_hi, g_new_lo, k_cache, v_cache, g_hi, g_lo, kv_slots, kv_lens, cu_seqlens,
+    # dims
+    T, S, L, KC: tl.constexpr, VC: tl.constexpr, GC: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr, BGC: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """One program per sequence: its new keys and values (a token's HK heads, KC = HK * K and
+    VC = HK * V elements) written to its slot of the cache at rows (length + t) % L, then the slot's
+    length advanced. One program per slot reads and writes its length: no other program races it.    The new positions' G (GC = H query heads) too: the G of the slot's last position (0 for an empty
+    slot) plus g_new, the call's cumsum from the sequence's first new token (log2 units, float pairs),
+    summed in float64 and stored as pairs at the same rows."""
+    i_n = tl.program_id(0)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    i_slot = tl.load(kv_slots + i_n).to(tl.int64)
+    # a slot outside [0, S) (padding) stores nothing
+    if (i_slot >= 0) & (i_slot < S):
+        b_len = tl.load(kv_lens + i_slot).to(tl.int64)
+        o_kc = tl.arange(0, BKC)
+        o_vc = tl.arange(0, BVC)
+        o_gc = tl.arange(0, BGC)
+        m_gc = o_gc < GC
+        # [BGC] G of the slot's last position, row (length - 1) % L, read before any row is written (a
+        # ring's new positions may reach that row); 0 for an empty slot. The mask is a scalar's where:
+        # Triton's interpreter rejects a scalar mask & a block mask
+        m_last = tl.where(b_len > 0, m_gc, False)
+        i_last = (i_slot * L + (b_len + L - 1) % L) * GC
+        b_carry = tl.load(g_hi + i_last + o_gc, mask=m_last, other=0.0).to(tl.float64) + \
+            tl.load(g_lo + i_last + o_gc, mask=m_last, other=0.0).to(tl.float64)
+        for i_t in range(0, T_seq, BT):
+            o_t = i_t + tl.arange(0, BT)
+            m_t = o_t < T_seq
+            # [BT] the tokens' rows in the input and in the slot
+            o_src = bos + o_t
+            o_dst = i_slot * L + (b_len + o_t) % L
+            # [BT, BKC], [BT, BVC]
+            m_k = m_t[:, None] & (o_kc < KC)[None, :]
+            tl.store(k_cache + o_dst[:, None] * KC + o_kc[None, :],
+                     tl.load(k + o_src[:, None] * KC + o_kc[None, :], mask=m_k, other=0.0), mask=m_k)
+            m_v = m_t[:, None] & (o_vc < VC)[None, :]
+            tl.store(v_cache + o_dst[:, None] * VC + o_vc[None, :],
+                     tl.load(v + o_src[:, None] * VC + o_vc[None, :], mask=m_v, other=0.0), mask=m_v)
+            # [BT, BGC] G of the new positions, float64, stored as a pair (float64 caches: G and 0)
+            m_g = m_t[:, None] & m_gc[None, :]
+            i_new = o_src[:, None] * GC + o_gc[None, :]
+            b_G = b_carry[None, :] + tl.load(g_new_hi + i_new, mask=m_g, other=0.0).to(tl.float64) + \
+                tl.load(g_new_lo + i_new, mask=m_g, other=0.0).to(tl.float64)
+            b_Ghi = b_G.to(g_hi.dtype.element_ty)
+            tl.store(g_hi + o_dst[:, None] * GC + o_gc[None, :], b_Ghi, mask=m_g)
+            tl.store(g_lo + o_dst[:, None] * GC + o_gc[None, :], (b_G - b_Ghi.to(tl.float64)).to(g_lo.dtype.element_ty),
+                     mask=m_g)
+        tl.store(kv_lens + i_slot, (b_len + T_seq).to(kv_lens.dtype.element_ty))
+
+
+def softmax_cached_fwd(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """A serving call: the new keys and values k, v [B, T, HK, *] (T == Tq) appended to each
+    sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
+    advanced by each sequence's length), then its queries attend to the slot's keys (launch a
+    SoftmaxLaunch) -> o, lse. g [B, T, H] the new positions' log decays: the cache's G
+    pairs g_hi, g_lo [S, L, H] (log2 units) continue each slot's at the new rows."""
+    B, T, HK, K = k.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    KC, VC = HK * K, HK * V
+    BKC, BVC = triton.next_power_of_2(KC), triton.next_power_of_2(VC)
+    GC = q.shape[2]
+    BGC = triton.next_power_of_2(GC)
+    # the call's G from each sequence's first new token
+    g_new_hi, g_new_lo = softmax_decay_pairs(g, cu_seqlens, q.dtype == torch.float64)
+    # [BT, BKC] tiles of at most 8192 elements
+    BT = max(1, min(64, 8192 // max(BKC, BVC, BGC)))
+    kv_append_kernel[(N,)](
+        k, v, g_new_hi, g_new_lo, k_cache, v_cache, g_hi, g_lo, kv_slots, kv_lens, cu_seqlens, T, k_cache.shape[0],
+        k_cache.shape[1], KC, VC, GC, BT=BT, BKC=BKC, BVC=BVC, BGC=BGC, IS_VARLEN=cu_seqlens is not None, num_warps=4,
+    )
+    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, launch, kv_slots, kv_lens, (g_hi, g_lo))
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
 #   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
@@ -888,6 +981,33 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, launch):
     B, Tq, H, _ = q.shape
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
     return v.new_empty(B, Tq, H, v.shape[-1]), lse
+
+
+@torch.library.custom_op("attngen::forgetting_attention_782b1e2a242bbd2b_cached",
+                         mutates_args=("k_cache", "v_cache", "g_hi", "g_lo", "kv_lens"))
+def cached_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    g_hi: torch.Tensor, g_lo: torch.Tensor,
+    kv_lens: torch.Tensor, kv_slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
+    launch: list[int],
+) -> torch.Tensor:
+    # A serving call (attngen.StateCache): each sequence's new keys and values (and cumulative log decays) appended to its slot
+    # kv_slots[n] of the cache, in place, and its queries attending to the slot; no autograd.
+    return cached_forward(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch)
+
+
+@cached_op.register_fake
+def _(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    return v.new_empty(*q.shape[:3], v.shape[-1])
+
+
+def cached_forward(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """The serving call's kernels (softmax_cached_fwd; launch the op's launch ints) -> o [B, Tq, H, V]."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = g.contiguous()
+    cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
+    return softmax_cached_fwd(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                              softmax_launch(launch))[0]
 
 
 # ---------------------------------------------------------------------------- the backward

@@ -352,11 +352,15 @@ def test_torch_compile_fullgraph(triton_backend):
 # ---------------------------------------------------------------------------- softmax caches
 # a sliding window small enough for its ring to wrap in a short test (L = 4 + 3 - 1 = 6 rows)
 SMALL_WINDOW = dict(name="serve_window", attention="softmax", mask="sliding_window", window=4)
+# forgetting attention in a sliding window: a ring of log decays too
+SMALL_WINDOW_DECAY = dict(name="serve_window_decay", attention="softmax", mask="sliding_window", window=4,
+                          decay="scalar")
 HQ, HKV = 4, 2
 
 
 def softmax_op(name):
-    return attngen.load(SMALL_WINDOW) if name == "small_window" else shipped(name)
+    variants = {"small_window": SMALL_WINDOW, "small_window_decay": SMALL_WINDOW_DECAY}
+    return attngen.load(variants[name]) if name in variants else shipped(name)
 
 
 def softmax_request(spec, length, seed):
@@ -365,8 +369,10 @@ def softmax_request(spec, length, seed):
 
 
 def softmax_cache(op, slots, **kw):
-    rows = dict(max_piece=3) if op.spec.name == SMALL_WINDOW["name"] else dict(max_len=16)
-    return attngen.StateCache(op, slots=slots, heads=HKV, head_dim=K, value_dim=V, **{**rows, **kw})
+    rows = dict(max_piece=3) if op.spec.mask == "sliding_window" else dict(max_len=16)
+    # with decay, the log decays of the HQ query heads
+    heads = dict(query_heads=HQ) if op.spec.decay == "scalar" else {}
+    return attngen.StateCache(op, slots=slots, heads=HKV, head_dim=K, value_dim=V, **{**rows, **heads, **kw})
 
 
 def assert_attends_like_oracle(spec, inputs, o, what):
@@ -376,13 +382,15 @@ def assert_attends_like_oracle(spec, inputs, o, what):
     assert err <= tol, f"{what}: o rel err {err:.2e} > tol {tol:.2e}"
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "small_window"])
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "small_window", "forgetting_attention",
+                                  "small_window_decay"])
 def test_softmax_continuous_batching(name, backend):
     """Softmax layers on a key/value cache: requests prefilled (two packed), then decoded (a
     prepared step) in a batch whose order and padding change every step, leaving and their slots
     reused; each
     request's outputs equal attention over its whole sequence (grouped-query heads; the small
-    window's ring of 6 rows wraps)."""
+    windows' rings of 6 rows wrap; forgetting attention's cache keeps each key's cumulative log
+    decay, per query head)."""
     op = softmax_op(name)
     rng = random.Random(1)
     plan = [(9, 3, 0), (6, 2, 0), (7, 3, 2), (5, 1, 4)]
@@ -430,7 +438,7 @@ def test_softmax_continuous_batching(name, backend):
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=5))
-@pytest.mark.parametrize("name", ["softmax_causal", "small_window"])
+@pytest.mark.parametrize("name", ["softmax_causal", "small_window", "forgetting_attention", "small_window_decay"])
 def test_softmax_chunked_prefill(name, triton_backend, pieces):
     """A prompt prefilled into a key/value cache in pieces of random lengths (up to the small
     window's max_piece) equals attention over the whole prompt."""
@@ -475,8 +483,11 @@ def test_ring_keys_split_across_programs(triton_backend, monkeypatch):
 
 
 SOFTMAX_BAD = {
-    "decay": (lambda: softmax_cache(shipped("forgetting_attention"), 2),
-              r"^op: spec 'forgetting_attention' has decay: scalar"),
+    "query_heads without decay": (lambda: softmax_cache(shipped("softmax_causal"), 2, query_heads=HQ),
+                                  r"^query_heads: only a softmax cache with decay keeps per query head log decays"),
+    "query_heads not a multiple": (lambda: softmax_cache(shipped("forgetting_attention"), 2, query_heads=3),
+                                   r"^query_heads: the query heads H = 3 must be a multiple of the cache's key / "
+                                   r"value heads H_kv = 2"),
     "no max_len": (lambda: attngen.StateCache(shipped("softmax_causal"), 2, HKV, K, V),
                    r"^max_len: a causal softmax cache keeps every key"),
     "max_piece on causal": (lambda: softmax_cache(shipped("softmax_causal"), 2, max_piece=4), r"^max_piece: only"),
@@ -508,6 +519,17 @@ def test_bad_softmax_call(change, match):
     if change.get("beta"):
         x["beta"] = torch.ones(1, 2, HQ)
     with torch.no_grad(), pytest.raises(ValueError, match=match):
+        op(**x, cache=cache, slots=torch.tensor([0], dtype=torch.int32))
+
+
+def test_forgetting_cache_of_other_query_heads():
+    """A forgetting attention cache keeps the log decays of its query_heads: a call with other query
+    heads is an error naming both."""
+    op = shipped("forgetting_attention")
+    cache = softmax_cache(op, 2)
+    x = random_inputs(op.spec, Shape(1, 2, HKV, K, V, kv_heads=HKV), dtype=torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^cache: keeps the log decays of H = 4 query heads \(its "
+                                                          r"query_heads\), but this call's q has H = 2"):
         op(**x, cache=cache, slots=torch.tensor([0], dtype=torch.int32))
 
 

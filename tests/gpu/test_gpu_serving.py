@@ -83,19 +83,25 @@ def test_graph_replay_equals_eager(name):
     assert graphed.state[[0, 2, 3]].abs().max() == 0
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "window_ring"])
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "window_ring", "forgetting_attention",
+                                  "window_ring_decay"])
 @pytest.mark.parametrize("dname", DTYPES)
 def test_softmax_prefill_and_decode_equal_one_forward(name, dname):
     """Keys and values through the cache (grouped-query heads; window_ring's 96 rows wrap and its
-    decode queries split their keys across programs) equal attention over the whole sequence."""
-    spec = dict(name="window_ring", attention="softmax", mask="sliding_window", window=64) \
-        if name == "window_ring" else ROOT / "specs" / f"{name}.yaml"
+    decode queries split their keys across programs; with decay, the cache keeps each key's
+    cumulative log decay) equal attention over the whole sequence."""
+    ring = name.startswith("window_ring")
+    decay = dict(decay="scalar") if name.endswith("decay") else {}
+    spec = dict(name=name, attention="softmax", mask="sliding_window", window=64, **decay) \
+        if ring else ROOT / "specs" / f"{name}.yaml"
     op = attngen.load(spec)
     dtype, T_long = DTYPES[dname], 300
     x = random_inputs(op.spec, Shape(B, T_long, H, D, D, kv_heads=2), seed=1)
     x = {n: t.to(dtype).cuda() for n, t in x.items()}
     want = op(**x)
-    rows = dict(max_piece=33) if name == "window_ring" else dict(max_len=T_long)
+    rows = dict(max_piece=33) if ring else dict(max_len=T_long)
+    if op.spec.decay == "scalar":
+        rows["query_heads"] = H
     cache = attngen.StateCache(op, slots=7, heads=2, head_dim=D, value_dim=D, device="cuda", dtype=dtype, **rows)
     slots = torch.tensor([6, 0, 3], dtype=torch.int32, device="cuda")
     with torch.no_grad():
