@@ -464,6 +464,15 @@ def chunked_round(x, DROP: tl.constexpr):
 
 
 @triton.jit
+def chunked_cast(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # float32 x -> dtype, to nearest (ties to even) as the GPU casts: Triton's interpreter truncates
+    # float32 to bf16, so there ("bf16_emulated") the value is rounded first and its cast is exact
+    if DOT_PRECISION == "bf16_emulated" and dtype == tl.bfloat16:
+        x = chunked_round(x, 16)
+    return x.to(dtype)
+
+
+@triton.jit
 def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
     # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
     # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
@@ -592,7 +601,7 @@ def chunked_states_kernel(
     for i_c in range(0, tl.cdiv(T_seq, BT)):
         # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -746,6 +755,15 @@ def chunked_check_chunk(chunk):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
 
 
+def chunked_states_dtype(dtype):
+    """The dtype of the chunk-start states the forward's state pass stores for its output pass.
+    The output pass reads them only as operands of its dot with the queries, which rounds them to
+    chunked_pass_dtype anyway: stored in that dtype, the outputs are the same bits and the states
+    take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
+    both are bound by those bytes). The backward keeps float32 (its decay gradient sums h ⊙ dS)."""
+    return chunked_pass_dtype(dtype)
+
+
 def chunked_pass_dtype(dtype):
     """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
@@ -756,7 +774,7 @@ def chunked_pass_dtype(dtype):
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
@@ -769,13 +787,14 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None):
+                   state_indices=None, h_dtype=torch.float32):
     """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr is in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
-    returned is the cache; rows outside [0, S) are neither read nor written)."""
+    returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -790,7 +809,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
-    h = torch.empty(n_slots, H, F, VS, **f32)
+    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
@@ -814,7 +833,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
-                        output_final_state, state_indices=state_indices)
+                        output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
