@@ -841,7 +841,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
-# U = [v]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
+# U = v. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
 # P the decayed causal scores and the output gradient dO:
 #   dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS          dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO
 #   dP = dO U^T       dq̂ = (dO h_c^T) ⊙ Γ + dP K̂       dk̂ = (U dS^T) ⊙ Γ_C/Γ + dP^T Q̂
@@ -1303,7 +1303,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4)
     parallel = dict(BK=BK, num_stages=2, **meta)
-    u, VS = v, V
+    # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
+    u, VS = v.to(chunked_pass_dtype(q.dtype)), V
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
     du, qg = torch.empty(B, T, H, VS, **f32), torch.empty(B, T, H, F, **tiles)

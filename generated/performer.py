@@ -1208,7 +1208,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
         DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.bwd_warps, maxnreg=launch.maxnreg,
     )
-    u = torch.cat([v, v.new_ones(B, T, H, 1)], -1)
+    u = torch.cat([v, v.new_ones(B, T, H, 1)], -1).to(chunked_pass_dtype(q.dtype))
     do = torch.cat([do.float() / norm[..., None], c_part.sum(0)[..., None]], -1)
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
