@@ -870,7 +870,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
 # 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. dv is not
 # computed in step 4: P^T and the decayed keys would hold registers through its value loop, whose
-# accumulators (two [BT, BF], two [BT, BT]) are the delta rule's step 4's, at 255 registers already.
+# accumulators (two [BT, BF], two [BT, BT]) use all 255 registers already (bf16 at K = V = 128 and
+# 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] float32 and
 # K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype), Γ_C; the state gradient per chunk dS [chunk slots, H, F, V]
 # float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂ ⊙ Γ
