@@ -1209,15 +1209,16 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, ds, dh0, cu_seqlens, chunk_offsets,
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
     # dims
-    T, H: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
     # meta
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies
+    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state,
+    # of dO and dU; V of dU itself (in place)
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1235,9 +1236,9 @@ def chunked_bwd_states_kernel(
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_f, m_v = o_f < F, o_v < V
+    m_f, m_v = o_f < F, o_v < VS
     # [BF, BV] the state gradient block, from the final state's gradient
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :]
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -1246,9 +1247,9 @@ def chunked_bwd_states_kernel(
     NT = tl.cdiv(T_seq, BT)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], b_dh, mask=m_state)
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1261,10 +1262,10 @@ def chunked_bwd_states_kernel(
         b_wt = tl.load(w + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(du + o_tok[:, None] * V + o_v[None, :], b_du.to(du.dtype.element_ty), mask=m_tv)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
@@ -1545,11 +1546,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dU, dh0 (its stages from the tiles one chunk loads:
-    # planner.delta_bwd_states_stage_bytes)
+    # planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, **f32)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
-        st.w, st.kr, qg, st.gc, do, dht, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, F,
+        st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
     # step 4: dq; step 4's dk̂ and decay gradient
