@@ -16,6 +16,7 @@ import numbers
 import torch
 
 from .inputs import Call, check_linear, check_softmax, validate_values
+from .signature import SOFTMAX_CACHED
 from .spec import Spec
 
 # The slot of a padding entry: its sequence runs from a zero state and nothing is stored.
@@ -318,8 +319,9 @@ class DecodeStep:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
             return self.op(q, k, v, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
-            return self._run(q, k, v, cache.k, cache.v, cache.lengths, slots, None, self.scale, self.tokens,
-                             self._launch)
+            return self._run(*SOFTMAX_CACHED.bind(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v,
+                                                  kv_lens=cache.lengths, kv_slots=slots, cu_seqlens=None,
+                                                  scale=self.scale, max_len=self.tokens, launch=self._launch))
         state = cache.state
         self._run(q, k, v, g, beta, self._omega, state, self.out, state, None, slots, cache.num_slots, self.scale)
         return self.out
