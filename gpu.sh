@@ -4,8 +4,8 @@
 #   bash gpu.sh [pytest targets and args, default tests/gpu]
 # The whole of tests/gpu takes longer than one 10-minute device call: give the forward file in
 # one call and the backward and training files in the next (GPU_BENCH= skips the benchmark).
-# Carry .whl with the fla-core wheel for the baselines. GPU_BENCH picks the benchmark passes
-# ("fwd bwd" by default, "" for none). Each part has its own time limit (GPU_BENCH_S per pass,
+# Carry .whl with the fla-core wheel for the baselines. GPU_BENCH picks the benchmark passes, timed in
+# one process ("fwd,bwd" by default, "" for none). Each part has its own time limit (GPU_BENCH_S,
 # GPU_TESTS_S, seconds) so that every part's output comes back; full logs go to $OUT (when
 # set); short tables are printed. Compiled kernels are cached in .triton_cache, so a second
 # call on a machine still warm skips their compilation; the tests of one spec and dtype run in
@@ -21,11 +21,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-for pass in ${GPU_BENCH-fwd bwd}; do
-  flag=$([ "$pass" = bwd ] && echo --bwd)
-  timeout "${GPU_BENCH_S:-180}" python3 bench/bench.py $flag --profile ${BENCH_ARGS:-} > "$OUT/bench_$pass.txt" 2>&1
-  echo "bench $pass exit $?"; grep -v Warning "$OUT/bench_$pass.txt" | tail -c 5000
-done
+if [ -n "${GPU_BENCH-fwd,bwd}" ]; then
+  timeout "${GPU_BENCH_S:-360}" python3 bench/bench.py --passes "${GPU_BENCH-fwd,bwd}" --profile ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
+  echo "bench exit $?"; grep -v -i -e warn -e "rows = bench" "$OUT/bench.txt" | tail -c 7000
+fi
 [ $# -gt 0 ] || set -- tests/gpu
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
 GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n "${GPU_TESTS_N:-12}" --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import jinja2
 
-from . import __version__, planner
+from . import __version__, planner, signature
 from .spec import Spec
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -30,14 +30,18 @@ REPO_GENERATED = Path(__file__).resolve().parent.parent / "generated"
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    # the ops' def lines, calls and schemas are rendered from signature.py's lists
+    env.globals.update(wrap=signature.wrap, block=signature.block, string=signature.string)
+    return env
 
 
 def render(spec: Spec) -> str:
     """The generated module's source: a pure function of the spec and attngen's version."""
     ks = planner.kernel_spec(spec)
-    source = _env().get_template("module.py.jinja").render(ks=ks, version=__version__)
+    sig = signature.signatures(spec.attention, spec.decay)
+    source = _env().get_template("module.py.jinja").render(ks=ks, sig=sig, version=__version__)
     return _tidy(source)
 
 

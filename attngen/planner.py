@@ -298,7 +298,7 @@ class ChunkedLaunch(Launch):
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
-    bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the delta rule's state-gradient pass (1: additive rules have none)
+    bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,11 +391,15 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     return size + (BF * 4 if spec.decay == "vector" else 0)
 
 
-def delta_bwd_states_stage_bytes(chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
-    """The tiles one chunk of the delta rule's state-gradient pass loads: the decayed keys, the
-    queries and W transposed and dU (in chunked_pass_dtype), and do (the input dtype)."""
+def bwd_states_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
+    """The tiles one chunk of the backward's state-gradient pass loads: the decayed keys and the
+    queries transposed (in chunked_pass_dtype), and do; the delta rule's W transposed and dU in
+    chunked_pass_dtype, the additive rule's dU (dv's local part) in float32. do is in the input
+    dtype, float32 with normalize sum ([do / n, c])."""
     tile = 2 if dtype == torch.bfloat16 else 4
-    return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
+    if spec.update == "delta":
+        return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
+    return chunk * (2 * BF * tile + BV * (4 + (4 if spec.normalize == "sum" else dtype.itemsize)))
 
 
 def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
@@ -464,8 +468,7 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         bwd_chunk = min(bwd_chunk, 32) if launch.bwd_warps >= 4 else bwd_chunk
     V = lanes(call.value_dim)
     BV, states_BV, output_BV = min(launch.BV, V), min(launch.states_BV, V), min(launch.output_BV, V)
-    ds_stages = (min(launch.bwd_ds_stages, pipeline_stages(delta_bwd_states_stage_bytes(bwd_chunk, BF, BV, dtype)))
-                 if spec.update == "delta" else 1)
+    ds_stages = min(launch.bwd_ds_stages, pipeline_stages(bwd_states_stage_bytes(spec, bwd_chunk, BF, BV, dtype)))
     return dataclasses.replace(
         launch, chunk=fwd_chunk, BV=BV, states_BV=states_BV, output_BV=output_BV, bwd_chunk=bwd_chunk,
         stages=min(launch.stages, pipeline_stages(chunked_stage_bytes(spec, fwd_chunk, BF, states_BV, dtype))),

@@ -12,6 +12,7 @@ import torch
 
 from . import algebra, codegen, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
+from .signature import LINEAR_CACHED, LINEAR_INPUTS, LINEAR_OP, SOFTMAX_INPUTS, SOFTMAX_OP, softmax_cached
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -128,12 +129,15 @@ class Op:
             kform, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
             if torch.compiler.is_compiling():
                 # the registered op (mutating the cache), which torch.compile traces
-                return self._kernels.cached_op(q, k, v, g, beta, omega, cache.state, slots, cu_seqlens, call.scale,
-                                               kform, launch), None
+                return self._kernels.cached_op(*LINEAR_CACHED.bind(
+                    q=q, k=k, v=v, g=g, beta=beta, omega=omega, state=cache.state, slots=slots, cu_seqlens=cu_seqlens,
+                    scale=call.scale, form=kform, launch=launch)), None
             # eagerly the same launches without the dispatcher's pass over a mutating op (some
             # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
-            return self._kernels.forward(q, k, v, g, beta, omega, cache.state, cu_seqlens, call.scale, kform, launch,
-                                         True, slots)[0], None
+            args = LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=cache.state,
+                                  cu_seqlens=cu_seqlens, scale=call.scale, form=kform, launch=launch,
+                                  output_final_state=True)
+            return self._kernels.forward(*args, state_indices=slots)[0], None
         run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
         return serving.run_torch(run, cache, slots), None
 
@@ -156,10 +160,13 @@ class Op:
         if _use_kernels(self.spec, q):
             if self._kernels is None:
                 self._kernels = kernels_for(self)
-            # with decay, the new positions' log decays and the cache's G pairs
-            gates = ((g,), (cache.g_hi, cache.g_lo)) if self.spec.decay == "scalar" else ((), ())
-            args = (q, k, v, *gates[0], cache.k, cache.v, *gates[1], cache.lengths, slots, cu_seqlens, call.scale,
-                    call.max_len, cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
+            values = dict(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v, kv_lens=cache.lengths, kv_slots=slots,
+                          cu_seqlens=cu_seqlens, scale=call.scale, max_len=call.max_len,
+                          launch=cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
+            if self.spec.decay == "scalar":
+                # the new positions' log decays and the cache's G pairs
+                values.update(g=g, g_hi=cache.g_hi, g_lo=cache.g_lo)
+            args = softmax_cached(self.spec.decay).bind(**values)
             if torch.compiler.is_compiling():
                 return self._kernels.cached_op(*args)
             return self._kernels.cached_forward(*args)
@@ -280,17 +287,18 @@ class Op:
         args = {n: leaves.get(n, t) for n, t in saved.items() if n != "omega"}
         with torch.enable_grad():
             if self.spec.is_linear:
-                scale, form, launch, output_final_state = rest
+                rest = LINEAR_OP.without(*LINEAR_INPUTS.names).named(rest)
+                scale, form, launch = rest["scale"], rest["form"], rest["launch"]
                 call = check_linear(self.spec, **args, scale=scale)
                 chunk = planner.ChunkedLaunch(*launch).chunk if form == "chunked" else 1
                 choice = planner.Choice(form, chunk, "recomputed for the backward")
                 o, ht = self._run_torch(call, choice, **args, output_final_state=True)
                 outs, douts = [o], [grads[0]]
-                if output_final_state and grads[1] is not None and grads[1].numel():
+                if rest["output_final_state"] and grads[1] is not None and grads[1].numel():
                     outs.append(ht)
                     douts.append(grads[1])
             else:
-                scale = rest[0]
+                scale = SOFTMAX_OP.without(*SOFTMAX_INPUTS.names).named(rest)["scale"]
                 call = check_softmax(self.spec, **args, scale=scale)
                 choice = planner.Choice("parallel", 1, "recomputed for the backward")
                 o, lse = self._run_torch(call, choice, **args, beta=None, initial_state=None,
@@ -312,11 +320,13 @@ class Op:
         module = self._kernels
         form, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
         if not self.spec.is_linear:
-            o, lse = module.op(q, k, v, g, cu_seqlens, call.scale, call.max_len, launch)
+            o, lse = module.op(*SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=cu_seqlens, scale=call.scale,
+                                                max_len=call.max_len, launch=launch))
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
         omega = self.features(call.head_dim, q.device, torch.float32)
-        o, ht = module.op(q, k, v, g, beta, omega, initial_state, cu_seqlens, call.scale, form, launch,
-                          bool(output_final_state))
+        o, ht = module.op(*LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=initial_state,
+                                          cu_seqlens=cu_seqlens, scale=call.scale, form=form, launch=launch,
+                                          output_final_state=bool(output_final_state)))
         return o, (ht if output_final_state else None)
 
 

@@ -17,6 +17,7 @@ import numbers
 import torch
 
 from .inputs import Call, check_linear, check_softmax, validate_values
+from .signature import softmax_cached
 from .spec import LOG_DECAY_FLOOR, Spec
 
 # The slot of a padding entry: its sequence runs from a zero state and nothing is stored.
@@ -279,8 +280,8 @@ def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_s
 class DecodeStep:
     """A decode (or few-token) call on a StateCache, prepared for fixed shapes: step(q, k, v,
     g=None, beta=None, *, slots) with q [N, T, H, K], k [N, T, H (softmax: H_kv), K], v [N, T, H
-    (softmax: H_kv; linear: HV), V] contiguous (g, beta as for the op) -> o [N, T, H (linear: HV), V]. The checks, the plan and the launch
-    configuration are done once here; on the kernels a call compares the inputs' shapes, dtypes
+    (softmax: H_kv; linear: HV), V] contiguous (g, beta as for the op) -> o [N, T, H (linear: HV),
+    V]. The checks, the plan and the launch configuration are done once here; on the kernels a call compares the inputs' shapes, dtypes
     and contiguity with the prepared ones (host metadata, about a microsecond: a mismatch would
     read the wrong elements) and launches the kernels, with no host sync: capturable in a CUDA
     graph. A linear op's step launches the token loop alone and returns `out`, the same tensor
@@ -362,11 +363,11 @@ class DecodeStep:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
             return self.op(q, k, v, g, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
+            values = dict(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v, kv_lens=cache.lengths, kv_slots=slots,
+                          cu_seqlens=None, scale=self.scale, max_len=self.tokens, launch=self._launch)
             if self._sg is not None:
-                return self._run(q, k, v, g, cache.k, cache.v, cache.g_hi, cache.g_lo, cache.lengths, slots, None,
-                                 self.scale, self.tokens, self._launch)
-            return self._run(q, k, v, cache.k, cache.v, cache.lengths, slots, None, self.scale, self.tokens,
-                             self._launch)
+                values.update(g=g, g_hi=cache.g_hi, g_lo=cache.g_lo)
+            return self._run(*softmax_cached(self.op.spec.decay).bind(**values))
         state = cache.state
         self._run(q, k, v, g, beta, self._omega, state, self.out, state, None, slots, cache.num_slots, self.scale)
         return self.out

@@ -34,6 +34,7 @@ import torch
 
 from . import codegen, planner
 from .inputs import Call
+from .signature import LINEAR_OP, SOFTMAX_OP
 from .spec import Spec
 
 TABLE_FORMAT = 1
@@ -585,21 +586,21 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
 
     if spec.is_linear:
         omega = op.features(call.head_dim, q.device, torch.float32)
-        head = (q, k, v, g, beta, omega, None, None, call.scale, "chunked")
 
-        def forward(launch):
-            return module.op(*head, launch.ints(), False)
-
-        def backward(launch, o, ht):
-            return module.backward(*head, launch.ints(), False, o, ht, do, None)
+        def args(launch):
+            return LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=None, cu_seqlens=None,
+                                  scale=call.scale, form="chunked", launch=launch.ints(), output_final_state=False)
     else:
-        head = (q, k, v, g, None, call.scale, call.max_len)
+        def args(launch):
+            return SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=None, scale=call.scale, max_len=call.max_len,
+                                   launch=launch.ints())
 
-        def forward(launch):
-            return module.op(*head, launch.ints())
+    def forward(launch):
+        return module.op(*args(launch))
 
-        def backward(launch, o, lse):
-            return module.backward(*head, launch.ints(), o, lse, do, None)
+    def backward(launch, *outputs):
+        # the generated backward(op's arguments, its outputs, their gradients: do and none for the other)
+        return module.backward(*args(launch), *outputs, do, None)
 
     def run(launch, pass_):
         if pass_ == "fwd":

@@ -147,8 +147,7 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     return run
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                  state_indices=None):
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state, state_indices=None):
     """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
     value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
@@ -436,7 +435,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     contiguous = lambda t: t.contiguous() if t is not None else None
     q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
         contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
+                                                      dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
@@ -477,6 +477,15 @@ def chunked_round(x, DROP: tl.constexpr):
     b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def chunked_cast(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # float32 x -> dtype, to nearest (ties to even) as the GPU casts: Triton's interpreter truncates
+    # float32 to bf16, so there ("bf16_emulated") the value is rounded first and its cast is exact
+    if DOT_PRECISION == "bf16_emulated" and dtype == tl.bfloat16:
+        x = chunked_round(x, 16)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -760,7 +769,7 @@ def chunked_states_kernel(
     for i_c in range(0, tl.cdiv(T_seq, BT)):
         # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -916,6 +925,15 @@ def chunked_check_chunk(chunk):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
 
 
+def chunked_states_dtype(dtype):
+    """The dtype of the chunk-start states the forward's state pass stores for its output pass.
+    The output pass reads them only as operands of its dot with the queries, which rounds them to
+    chunked_pass_dtype anyway: stored in that dtype, the outputs are the same bits and the states
+    take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
+    both are bound by those bytes). The backward keeps float32 (its decay gradient sums h ⊙ dS)."""
+    return chunked_pass_dtype(dtype)
+
+
 def chunked_pass_dtype(dtype):
     """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
@@ -926,7 +944,7 @@ def chunked_pass_dtype(dtype):
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
@@ -939,13 +957,14 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None):
+                   state_indices=None, h_dtype=torch.float32):
     """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
-    returned is the cache; rows outside [0, S) are neither read nor written)."""
+    returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -962,7 +981,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, QK_GROUP=chunked_qk_group(q, v), num_warps=launch.prepare_warps,
         maxnreg=launch.maxnreg, **meta,
     )
-    h = torch.empty(n_slots, H, F, VS, **f32)
+    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
@@ -986,7 +1005,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
-                        output_final_state, state_indices=state_indices)
+                        output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
@@ -1102,15 +1121,16 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, ds, dh0, cu_seqlens, chunk_offsets,
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
     # dims
-    T, H: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
     # meta
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies
+    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state,
+    # of dO and dU; V of dU itself (in place)
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1128,9 +1148,9 @@ def chunked_bwd_states_kernel(
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_f, m_v = o_f < F, o_v < V
+    m_f, m_v = o_f < F, o_v < VS
     # [BF, BV] the state gradient block, from the final state's gradient
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :]
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_DHT:
@@ -1139,9 +1159,9 @@ def chunked_bwd_states_kernel(
     NT = tl.cdiv(T_seq, BT)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], b_dh, mask=m_state)
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1154,10 +1174,10 @@ def chunked_bwd_states_kernel(
         b_wt = tl.load(w + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
         # [BT, BV] dU = (step 2's P^T dO) + K̂ dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(du + o_tok[:, None] * V + o_v[None, :], b_du.to(du.dtype.element_ty), mask=m_tv)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
         # dS <- dS + Q̂^T dO - W^T dU: the gradient of the chunk-start state
 
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
@@ -1411,11 +1431,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dU, dh0 (its stages from the tiles one chunk loads:
-    # planner.delta_bwd_states_stage_bytes)
+    # planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, **f32)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
-        st.w, st.kr, qg, st.gc, do, dht, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, F,
+        st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
     # step 4: dq; step 4's dk̂
@@ -1520,7 +1540,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
+             dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
@@ -1600,8 +1621,8 @@ def _contract(q, k, v, g=None, beta=None, scale=None, initial_state=None, output
 
 
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? beta=None, float? scale=None, "
-                   "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) "
-                   "-> (Tensor, Tensor)")
+                   "Tensor? initial_state=None, bool output_final_state=False, "
+                   "Tensor? cu_seqlens=None) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops

@@ -923,9 +923,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
 # tensors only: dg without decay travels as an empty tensor.
 @torch.library.custom_op("attngen::forgetting_attention_782b1e2a242bbd2b_softmax_bwd", mutates_args=())
 def softmax_bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor,
-    lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
                                         dlse)
@@ -970,8 +970,8 @@ def forward(q, k, v, g, cu_seqlens, scale, max_len, launch):
 
 @torch.library.custom_op("attngen::forgetting_attention_782b1e2a242bbd2b", mutates_args=())
 def op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int, launch: list[int],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, max_len: int, launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return forward(q, k, v, g, cu_seqlens, scale, max_len, launch)
 
@@ -987,13 +987,13 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, launch):
                          mutates_args=("k_cache", "v_cache", "g_hi", "g_lo", "kv_lens"))
 def cached_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    g_hi: torch.Tensor, g_lo: torch.Tensor,
-    kv_lens: torch.Tensor, kv_slots: torch.Tensor, cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int,
-    launch: list[int],
+    g_hi: torch.Tensor, g_lo: torch.Tensor, kv_lens: torch.Tensor, kv_slots: torch.Tensor,
+    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int, launch: list[int],
 ) -> torch.Tensor:
     # A serving call (attngen.StateCache): each sequence's new keys and values (and cumulative log decays) appended to its slot
     # kv_slots[n] of the cache, in place, and its queries attending to the slot; no autograd.
-    return cached_forward(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch)
+    return cached_forward(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                          launch)
 
 
 @cached_op.register_fake

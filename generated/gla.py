@@ -156,8 +156,7 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     return run
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                  state_indices=None):
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state, state_indices=None):
     """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
     value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
@@ -431,7 +430,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     contiguous = lambda t: t.contiguous() if t is not None else None
     q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
         contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
+                                                      dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
@@ -470,6 +470,15 @@ def chunked_round(x, DROP: tl.constexpr):
     b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def chunked_cast(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # float32 x -> dtype, to nearest (ties to even) as the GPU casts: Triton's interpreter truncates
+    # float32 to bf16, so there ("bf16_emulated") the value is rounded first and its cast is exact
+    if DOT_PRECISION == "bf16_emulated" and dtype == tl.bfloat16:
+        x = chunked_round(x, 16)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -601,7 +610,7 @@ def chunked_states_kernel(
     for i_c in range(0, tl.cdiv(T_seq, BT)):
         # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -778,6 +787,12 @@ def chunked_check_chunk(chunk):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
 
 
+def chunked_states_dtype(dtype):
+    """The dtype of the chunk-start states the forward's state pass stores for its output pass.
+    float32: the output pass carries the state through its 16-token blocks in float32."""
+    return torch.float32
+
+
 def chunked_pass_dtype(dtype):
     """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
@@ -788,7 +803,7 @@ def chunked_pass_dtype(dtype):
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H, F] float32: Γ_C, the decay over each chunk
@@ -801,13 +816,14 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None):
+                   state_indices=None, h_dtype=torch.float32):
     """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr is in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
-    returned is the cache; rows outside [0, S) are neither read nor written)."""
+    returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -823,7 +839,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
         num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
-    h = torch.empty(n_slots, H, F, VS, **f32)
+    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
@@ -847,7 +863,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
-                        output_final_state, state_indices=state_indices)
+                        output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
@@ -859,12 +875,11 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
-# [v]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
-# P the decayed causal scores and dP = dO V^T:
-#   dq̂ = (dO h_c^T) ⊙ Γ + dP K̂
-#   dk̂ = (V dS^T) ⊙ Γ_C/Γ + dP^T Q̂
-#   dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-#   dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO   (dS of the chunk's start; dP, P through the decay ratios)
+# U = v. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
+# P the decayed causal scores and the output gradient dO:
+#   dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS          dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO
+#   dP = dO U^T       dq̂ = (dO h_c^T) ⊙ Γ + dP K̂       dk̂ = (U dS^T) ⊙ Γ_C/Γ + dP^T Q̂
+#   (dP through the decay ratios)
 # The decay gradient, by the additive rule's identity taken chunk by chunk (per feature; summed
 # over features for scalar decay, and over tokens for a constant one):
 #   dg_t = sum_{s >= t in chunk} (q̂_s ⊙ dq̂_s - k̂_s ⊙ dk̂'_s) + sum_{s < t in chunk} k̂_s ⊙ dk̂"_s + Γ_C sum_v h_c ⊙ dS
@@ -872,239 +887,48 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # across t, except pairs inside the chunk, which cancel; the pair s = t (decay ratio 1) is kept
 # out of dq̂, dk̂ until the end (dP_tt apart): its rounding would swamp a strong decay's small dg.
 # No sum runs across chunks: the last terms are the exact share of the later tokens.
-# Three kernels:
-#   1. the forward's chunked_states_kernel (chunked_states): every chunk-start state h_c, recomputed.
-#   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
-#      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂, dP_tt,
-#      and of the decay gradient's chunk term; after chunk 0, dS is the initial state's gradient.
-#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares; the decay gradient;
-#      the chain rule through scale and the feature map (recomputed from q, k) -> dq, dk.
-# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32), the value blocks' dq̂, dk̂ shares live only inside this backward, recomputed
-# here from the inputs: a training step's extra memory stays O(T (F + V)) per head, plus this
-# transient O(T F V / chunk).
-# No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
-# values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
+# Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
+#   1. chunked_states, the forward's: chunked_keys_kernel (chunk-parallel: the decayed keys
+#      K̂ ⊙ Γ_C/Γ, Γ_C) and chunked_states_kernel (sequential: h_c).
+#   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
+#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂ ⊙ Γ.
+#   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
+#      registers from the final state's gradient, chunks in reverse: stores dS (the chunk-end
+#      state's gradient, per chunk slot) and dv = dU + (K̂ ⊙ Γ_C/Γ) dS, then dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO;
+#      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
+#      path (dv's is off it).
+#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      U dS^T, dP and dP^T; -> dq̂, dk̂, the decay gradient; the chain rule
+#      through scale and the feature map -> dq, dk.
+# dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
+# dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
+# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. dv is not
+# computed in step 4: P^T and the decayed keys would hold registers through its value loop, whose
+# accumulators (two [BT, BF], two [BT, BT]) use all 255 registers already (bf16 at K = V = 128 and
+# 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] float32 and
+# K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype), Γ_C; the state gradient per chunk dS [chunk slots, H, F, V]
+# float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂ ⊙ Γ
+# [B, T, H, F] (chunked_pass_dtype: it only enters dots).
+# The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
 
 @triton.jit
-def chunked_bwd_kernel(
+def chunked_bwd_du_local_kernel(
     # pointers
-    q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
-    cu_seqlens, chunk_offsets,
+    q, k, g, omega, do, du, qg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(1), tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk slot in the per-chunk buffers (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # this value block's rows of the [NV, B * T * H, *] shares (int64)
-    o_part = i_v.to(tl.int64) * NTOK * H
-
-    # [BF, BV] the state gradient block, from the final state's gradient
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    NT = tl.cdiv(T_seq, BT)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] queries transposed by the load; [BT, BK] -> [BT, BF] keys
-        b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-
-        b_qt = b_qt * scale
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-        b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-        b_q = b_q * scale
-        # [BT, BV] and [BV, BT] values, [BT, BV] output gradient
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BV, BF] the chunk-start state transposed by the load
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
-        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-        b_G = tl.cumsum(b_g, 0)
-        b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
-        # [BF]
-        b_GC = tl.sum(b_g, 0)
-        # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
-        b_gam = tl.exp(b_G.to(tl.float32))
-        b_gam_t = tl.exp(b_Gt.to(tl.float32))
-        b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-        b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
-        b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BT] dP = dO V^T; [BT] its diagonal dP_tt, kept apart (see the header)
-        b_dP = chunked_dot(b_do, b_vt, DOT_PRECISION)
-        b_dd = tl.sum(b_do * b_v, 1)
-        # [BT, BF] dq̂ and [BF, BT] dk̂^T through the chunk-start state and the state gradient
-        b_dq = chunked_dot(b_do, b_hct, DOT_PRECISION)
-        b_dkt_state = chunked_dot(b_dh, b_vt, DOT_PRECISION)
-        # [BF] this value block's share of the decay gradient's chunk term Γ_C sum_v h_c ⊙ dS
-        b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_state, other=0.0)
-        b_dgc = (tl.sum(b_hc * b_dh, 1)) * b_gam_C
-        tl.store(dgc_part + ((i_v.to(tl.int64) * NCH + boc + i_c) * H + i_h) * F + o_f, b_dgc, mask=m_f)
-        b_dq = b_dq * b_gam
-        b_dkt_state = b_dkt_state * b_gam_rest_t
-        # [BT, BF] K̂ ⊙ Γ_C/Γ
-        b_k_rest = b_k * b_gam_rest
-        # inside the chunk, by 16-token blocks: [BT, BT] P^T (its diagonal q̂_t.k̂_t first) and the
-        # pairs s < t of dq̂, dk̂^T. A block's pairs with the keys before it one dot each (factors <= 1);
-        # its own pairs one dot each through exp(±G) from the block's start while the decay spans at
-        # most 40.0 (macros.block_decays), past it by offsets d = t - s (rows t: key s and
-        # W = G_t - G_s = g_{s+1} + .. + g_t; columns s of dk̂^T: query t = s + d and the same W)
-        b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-        b_dkt = tl.zeros([BF, BT], dtype=tl.float32)
-        if BT > 16:
-            m_qi = (o_i >= 16) & (o_i < 32)
-            m_kb = o_i < 16
-            b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
-            b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
-            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
-            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
-            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
-            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
-            b_kr = b_k * b_ek
-            b_qrt = b_qt * b_eqt
-            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
-            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
-            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
-            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
-        if BT > 32:
-            m_qi = (o_i >= 32) & (o_i < 48)
-            m_kb = o_i < 32
-            b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
-            b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
-            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
-            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
-            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
-            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
-            b_kr = b_k * b_ek
-            b_qrt = b_qt * b_eqt
-            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
-            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
-            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
-            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
-        if BT > 48:
-            m_qi = (o_i >= 48) & (o_i < 64)
-            m_kb = o_i < 48
-            b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
-            b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
-            b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
-            b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
-            b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
-            b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
-            b_kr = b_k * b_ek
-            b_qrt = b_qt * b_eqt
-            b_Pt = chunked_dot(b_kr, b_qrt, DOT_PRECISION, b_Pt)
-            b_dPi = tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0)
-            b_dq += chunked_dot(b_dPi, b_kr, DOT_PRECISION) * b_eq
-            b_dkt += chunked_dot(b_qrt, b_dPi, DOT_PRECISION) * b_ekt
-        m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
-        m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
-        b_Gb = b_G.to(tl.float32)
-        b_Gbt = b_Gt.to(tl.float32)
-        if BT > 16:
-            b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
-        if BT > 32:
-            b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
-        if BT > 48:
-            b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
-            b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
-        b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
-        if b_span:
-            # a block's own pairs one dot each, through exp(Gb_t) and exp(-Gb_s)
-            b_kn = b_k * tl.exp(-b_Gb)
-            b_qet = b_qt * tl.exp(b_Gbt)
-            b_dPb = tl.where(m_blk, b_dP, 0.0)
-            b_Pt = tl.where(m_blk_t, chunked_dot(b_kn, b_qet, DOT_PRECISION), b_Pt)
-            b_dq += chunked_dot(b_dPb, b_kn, DOT_PRECISION) * tl.exp(b_Gb)
-            b_dkt += chunked_dot(b_qet, b_dPb, DOT_PRECISION) * tl.exp(-b_Gbt)
-        else:
-            # past the span, by offsets d = t - s
-            o_r = o_i % 16
-            b_W = tl.zeros([BT, BF], dtype=tl.float64)
-            for d in range(1, 16):
-                # [BT, BT] the pairs (t, s = t - d) of one block, in [t, s] and in [s, t]
-                m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-                m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
-                m_d = m_t & (o_r >= d)
-                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
-                b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                b_kd = b_ks * tl.exp(b_W.to(tl.float32))
-                b_Pt = tl.where(m_band_t, tl.sum(b_q * b_kd, 1)[None, :], b_Pt)
-                b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_kd
-            b_Wt = tl.zeros([BF, BT], dtype=tl.float64)
-            for d in range(1, 16):
-                m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
-                m_dt = (o_r + d < 16) & (o_t + d < T_seq)
-                b_Wt += floor_log_decay(tl.load(g + (o_tok + d * H)[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_dt[None, :], other=0.0).to(tl.float64))
-                b_qts = tl.load(q + (o_tok + d * H)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_dt[None, :], other=0.0).to(tl.float32)
-                b_qts = b_qts * scale
-                b_dkt += tl.sum(tl.where(m_band, b_dP, 0.0), 0)[None, :] * b_qts * tl.exp(b_Wt.to(tl.float32))
-        # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-        b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
-        b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        # this value block's shares: [NV, B * T * H, F] dq̂, dk̂ inside the chunk and through the state; [NV, B * T * H] dP_tt
-        tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
-        tl.store(dk_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt, mask=m_f[:, None] & m_t[None, :])
-        tl.store(dki_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt_state, mask=m_f[:, None] & m_t[None, :])
-        tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
-        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
-        b_qt_g = b_qt * b_gam_t
-        b_dh = chunked_dot(b_qt_g, b_do, DOT_PRECISION, b_dh * b_gam_C[:, None])
-
-    if HAS_H0:
-        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
-
-
-@triton.jit
-def chunked_bwd_qk_kernel(
-    # pointers
-    q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # one program per chunk slot of the state buffer and head
+    # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
+    # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
-        # the slot's sequence; the slots past the last chunk map past the last sequence's end (all masked)
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
     else:
@@ -1121,102 +945,423 @@ def chunked_bwd_qk_kernel(
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    b_q = b_q * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+
+    b_qt = b_qt * scale
+    # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in float64
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_Gt = tl.cumsum(floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(tl.float64)), 1)
+    # [BF]
+    b_GC = tl.sum(b_g, 0)
+    # Γ_t and Γ_C/Γ_t in both layouts; [BF] Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_t = tl.exp(b_Gt.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+    b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BF] the queries of the state gradient
+    tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q * b_gam).to(qg.dtype.element_ty), mask=m_tf)
+    # [BT, BT] P^T [s, t]
+    # by 16-token blocks: the diagonal q̂_t.k̂_t; each block's pairs with the keys before it one dot
+    # (both factors <= 1: macros.cross_block_factors); its own pairs one dot through exp(±G) from the
+    # block's start while the decay spans at most 40.0 (macros.block_decays), past it by
+    # offsets d = t - s (key s and W = G_t - G_s = g_{s+1} + .. + g_t: macros.band_keys)
+    b_Pt = tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+    if BT > 16:
+        m_qi = (o_i >= 16) & (o_i < 32)
+        m_kb = o_i < 16
+        b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+        b_rt = tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+        b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+    if BT > 32:
+        m_qi = (o_i >= 32) & (o_i < 48)
+        m_kb = o_i < 32
+        b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+        b_rt = tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+        b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+    if BT > 48:
+        m_qi = (o_i >= 48) & (o_i < 64)
+        m_kb = o_i < 48
+        b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+        b_rt = tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_eqt = tl.exp(tl.where(m_qi[None, :], (b_Gt - b_rt[:, None]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_ekt = tl.exp(tl.where(m_kb[None, :], (b_rt[:, None] - b_Gt).to(tl.float32), float("-inf")))
+        b_Pt = chunked_dot(b_k * b_ek, b_qt * b_eqt, DOT_PRECISION, b_Pt)
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    b_Gbt = b_Gt.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 16, (b_Gt - tl.sum(tl.where(o_i[None, :] == 15, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 32, (b_Gt - tl.sum(tl.where(o_i[None, :] == 31, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+        b_Gbt = tl.where(o_i[None, :] >= 48, (b_Gt - tl.sum(tl.where(o_i[None, :] == 47, b_Gt, 0.0), 1)[:, None]).to(tl.float32), b_Gbt)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        b_Pt = tl.where(m_blk_t, chunked_dot(b_k * tl.exp(-b_Gb), b_qt * tl.exp(b_Gbt), DOT_PRECISION), b_Pt)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[None, :] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_Pt = tl.where(m_band_t, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[None, :], b_Pt)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        # [BT, BV]
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(du + o_tok[:, None] * V + o_v[None, :], chunked_dot(b_Pt, b_do, DOT_PRECISION).to(du.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunked_bwd_states_kernel(
+    # pointers
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
+    # dims
+    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # step 3, one program per (sequence x head, value block): the state gradient walked back over the
+    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state,
+    # of dO and dU; V of dv
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_f, m_v = o_f < F, o_v < VS
+    # [BF, BV] the state gradient block, from the final state's gradient
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BF] the decayed keys; [BF, BT] the queries of the state gradient, transposed by the
+        # load: dot operands as stored
+        b_kr = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        b_qgt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+
+        # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
+        # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
+        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
+        b_gam_C = tl.load(gc + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
+        b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C[:, None])
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def chunked_bwd_dqk_kernel(
+    # pointers
+    q, k, g, omega, do, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # step 4, one program per chunk slot and head: the gradients through the output and the state
+    # gradient -> dq, dk, the decay gradient
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # [BT, BF] dq̂, dk̂ without the pair s = t, [BT] its coefficient dP_tt: the value blocks' shares summed
-    b_dq = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dd = tl.zeros([BT], dtype=tl.float32)
-    # [BT, BF] dk̂ through the state
-    b_dki = tl.zeros([BT, BF], dtype=tl.float32)
-    # [BF] the chunk term of the decay gradient
+    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
+    # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
+    # them: they would hold registers through it)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     b_dgc = tl.zeros([BF], dtype=tl.float32)
-    o_dgc = (i_s.to(tl.int64) * H + i_h) * F + o_f
-    # the [NV, B * T * H, *] shares' rows (int64)
-    o_row = o_tok
-    for i_p in range(0, NV):
-        b_dq += tl.load(dq_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dk += tl.load(dk_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dd += tl.load(dd_part + o_row, mask=m_t, other=0.0)
-        b_dki += tl.load(dki_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dgc += tl.load(dgc_part + o_dgc, mask=m_f, other=0.0)
-        o_dgc += NCH * H * F
-        o_row += NTOK * H
-    # [BT, BK] the raw tiles and their features
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        m_vf = m_v[:, None] & m_f[None, :]
+        # [BT, BV] and [BV, BT] the output gradient and U; [BV, BF] h_c and dS transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
+        b_dgc += tl.sum(b_hct * b_dst, 0)
+    # [BT] dP_tt, the pair s = t, kept apart (see the header)
+    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_phi = b_q
     b_q_hat = b_q_phi
+    b_qs = b_q_hat * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
     b_k_hat = b_k_phi
-    # [BT, BF] q̂ = scale * b_q_hat
-    b_qs = b_q_hat * scale
+    # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in float64
+    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    # [BF]
+    b_GC = tl.sum(b_g, 0)
+    # Γ_t and Γ_C/Γ_t; [BF] Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
 
-    # [BT, BF] the decay gradient per feature (float64): reverse sum inside the chunk of
-    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_r = (b_qs * b_dq - b_k_hat * b_dk).to(tl.float64)
-    b_ri = (b_k_hat * b_dki).to(tl.float64)
-    b_dg = tl.sum(b_r, 0)[None, :] - tl.cumsum(b_r, 0) + b_r + tl.cumsum(b_ri, 0) - b_ri + b_dgc[None, :].to(tl.float64)
+    # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
+    b_dq = b_dqh * b_gam
+    if BT > 16:
+        m_qi = (o_i >= 16) & (o_i < 32)
+        m_kb = o_i < 16
+        b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dq += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0), b_k_hat * b_ek, DOT_PRECISION) * b_eq
+    if BT > 32:
+        m_qi = (o_i >= 32) & (o_i < 48)
+        m_kb = o_i < 32
+        b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dq += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0), b_k_hat * b_ek, DOT_PRECISION) * b_eq
+    if BT > 48:
+        m_qi = (o_i >= 48) & (o_i < 64)
+        m_kb = o_i < 48
+        b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dq += chunked_dot(tl.where(m_qi[:, None] & m_kb[None, :], b_dP, 0.0), b_k_hat * b_ek, DOT_PRECISION) * b_eq
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM (K̂ ⊙ exp(-Gb))) ⊙ exp(Gb)
+        b_dq += chunked_dot(tl.where(m_blk, b_dP, 0.0), b_k_hat * tl.exp(-b_Gb), DOT_PRECISION) * tl.exp(b_Gb)
+    else:
+        o_r = o_i % 16
+        b_W = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            m_band = (o_i[:, None] - o_i[None, :] == d) & (o_r[:, None] >= d)
+            m_d = m_t & (o_r >= d)
+            b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_ks = tl.load(k + (o_tok - d * H)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_dq += tl.sum(tl.where(m_band, b_dP, 0.0), 1)[:, None] * b_ks * tl.exp(b_W.to(tl.float32))
+    # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
+    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
+    if BT > 16:
+        m_qi = (o_i >= 16) & (o_i < 32)
+        m_kb = o_i < 16
+        b_r = tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dk += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dPt, 0.0), b_qs * b_eq, DOT_PRECISION) * b_ek
+    if BT > 32:
+        m_qi = (o_i >= 32) & (o_i < 48)
+        m_kb = o_i < 32
+        b_r = tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dk += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dPt, 0.0), b_qs * b_eq, DOT_PRECISION) * b_ek
+    if BT > 48:
+        m_qi = (o_i >= 48) & (o_i < 64)
+        m_kb = o_i < 48
+        b_r = tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)
+        b_eq = tl.exp(tl.where(m_qi[:, None], (b_G - b_r[None, :]).to(tl.float32), float("-inf")))
+        b_ek = tl.exp(tl.where(m_kb[:, None], (b_r[None, :] - b_G).to(tl.float32), float("-inf")))
+        b_dk += chunked_dot(tl.where(m_kb[:, None] & m_qi[None, :], b_dPt, 0.0), b_qs * b_eq, DOT_PRECISION) * b_ek
+    m_blk = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] > o_i[None, :])
+    m_blk_t = (o_i[:, None] // 16 == o_i[None, :] // 16) & (o_i[:, None] < o_i[None, :])
+    b_Gb = b_G.to(tl.float32)
+    if BT > 16:
+        b_Gb = tl.where(o_i[:, None] >= 16, (b_G - tl.sum(tl.where(o_i[:, None] == 15, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 32:
+        b_Gb = tl.where(o_i[:, None] >= 32, (b_G - tl.sum(tl.where(o_i[:, None] == 31, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    if BT > 48:
+        b_Gb = tl.where(o_i[:, None] >= 48, (b_G - tl.sum(tl.where(o_i[:, None] == 47, b_G, 0.0), 0)[None, :]).to(tl.float32), b_Gb)
+    b_span = tl.min(tl.min(b_Gb, 1), 0) >= -40.0
+    if b_span:
+        # a block's own pairs: (dM^T (x̂ ⊙ exp(Gb))) ⊙ exp(-Gb)
+        b_dk += chunked_dot(tl.where(m_blk_t, b_dPt, 0.0), b_qs * tl.exp(b_Gb), DOT_PRECISION) * tl.exp(-b_Gb)
+    else:
+        o_r = o_i % 16
+        b_Wl = tl.zeros([BT, BF], dtype=tl.float64)
+        for d in range(1, 16):
+            # [BT, BT] the pairs (s, t = s + d) of one block, in [s, t]
+            m_band_t = (o_i[None, :] - o_i[:, None] == d) & (o_r[:, None] + d < 16)
+            m_dl = (o_r + d < 16) & (o_t + d < T_seq)
+            b_Wl += floor_log_decay(tl.load(g + (o_tok + d * H)[:, None] * K + o_f[None, :], mask=m_dl[:, None] & m_f[None, :], other=0.0).to(tl.float64))
+            b_xl = tl.load(q + (o_tok + d * H)[:, None] * K + o_k[None, :], mask=m_dl[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+            b_xl = b_xl * scale
+            b_dk += tl.sum(tl.where(m_band_t, b_dPt, 0.0), 1)[:, None] * b_xl * tl.exp(b_Wl.to(tl.float32))
+    b_dki = b_uds * b_gam_rest
+    # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
+    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
+    b_dgs = (b_qs * b_dq - b_k_hat * b_dk).to(tl.float64)
+    b_dgi = (b_k_hat * b_dki).to(tl.float64)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (b_dgc * b_gam_C)[None, :].to(tl.float64)
     tl.store(dg + o_tok[:, None] * K + o_f[None, :], b_dg.to(dg.dtype.element_ty), mask=m_tf)
-    b_dk += b_dki
+    # [BT, BF] dk̂ = dk̂' + dk̂" and the pair s = t -> the gradient of the raw keys
+    b_dk = b_dk + b_dki + b_dd[:, None] * b_qs
 
-    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale)
-    b_dk += b_dd[:, None] * b_qs
+    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
 
-
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
-    """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None, launch a ChunkedLaunch ->
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
     chunk = launch.bwd_chunk
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = g.contiguous() if g is not None else None
-    beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
-    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
+    B, T, H, K, V, F, _ = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
-    NV = triton.cdiv(V, BV)
-    # kernel 1: the forward's sequential pass, for the chunk-start states
+    # step 1: the forward's keys and sequential pass: h_c, the decayed keys, Γ_C
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
                         output_final_state=False)
-    h, chunk_offsets, chunk_seq, n_chunks = st.h, st.chunk_offsets, st.chunk_seq, st.n_slots
     f32 = dict(device=q.device, dtype=torch.float32)
-    norm = None
-    # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
-    # more than the shared memory holds twice at head dim 128
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg)
-    c = None
-    dq_part = torch.empty(NV, B, T, H, F, **f32)
-    dk_part = torch.empty(NV, B, T, H, F, **f32)
-    dd_part = torch.empty(NV, B, T, H, **f32)
-    dki_part = torch.empty(NV, B, T, H, F, **f32)
-    dgc_part = torch.empty(NV, n_chunks, H, F, **f32)
+    tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
+    meta = dict(BT=chunk, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=launch.bwd_warps, maxnreg=launch.maxnreg)
+    # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
+    # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
+    # fp32 in step 4)
+    parallel = dict(BK=BK, num_stages=2, **meta)
+    # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
+    u, VS = v.to(chunked_pass_dtype(q.dtype)), V
+    # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
+    # the queries of the state gradient
+    du, qg = torch.empty(B, T, H, VS, **f32), torch.empty(B, T, H, F, **tiles)
+    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale, x_scale=K ** -0.25,
+        f_scale=F ** -0.5, **parallel,
+    )
+    # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
+    # planner.bwd_states_stage_bytes)
+    ds = torch.empty(st.n_slots, H, F, VS, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_kernel[(N * H, NV)](
-        q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
-        cu_seqlens, chunk_offsets,
-        T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(VS, BV))](
+        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
+    # step 4: dq, dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
-    chunked_bwd_qk_kernel[(n_chunks, H)](
-        q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
-        chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg,
+    chunked_bwd_dqk_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, u, st.h, ds, dq, dk, dg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale,
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, None, None, dh0, None
 
@@ -1305,7 +1450,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
+             dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
@@ -1385,8 +1531,8 @@ def _contract(q, k, v, g=None, beta=None, scale=None, initial_state=None, output
 
 
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? beta=None, float? scale=None, "
-                   "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) "
-                   "-> (Tensor, Tensor)")
+                   "Tensor? initial_state=None, bool output_final_state=False, "
+                   "Tensor? cu_seqlens=None) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops

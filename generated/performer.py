@@ -186,8 +186,7 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     return run
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                  state_indices=None):
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state, state_indices=None):
     """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
     value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
@@ -482,7 +481,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     contiguous = lambda t: t.contiguous() if t is not None else None
     q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
         contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
+                                                      dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
@@ -518,6 +518,15 @@ def chunked_round(x, DROP: tl.constexpr):
     b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
     b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
     return b_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def chunked_cast(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # float32 x -> dtype, to nearest (ties to even) as the GPU casts: Triton's interpreter truncates
+    # float32 to bf16, so there ("bf16_emulated") the value is rounded first and its cast is exact
+    if DOT_PRECISION == "bf16_emulated" and dtype == tl.bfloat16:
+        x = chunked_round(x, 16)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -647,9 +656,9 @@ def chunked_states_kernel(
     for i_c in range(0, tl.cdiv(T_seq, BT)):
         # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], b_h, mask=m_state)
+        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         if i_v == 0:
-            tl.store(h + o_hc + o_f * VS + V, b_z, mask=m_f)
+            tl.store(h + o_hc + o_f * VS + V, chunked_cast(b_z, h.dtype.element_ty, DOT_PRECISION), mask=m_f)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -823,6 +832,12 @@ def chunked_check_chunk(chunk):
         raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
 
 
+def chunked_states_dtype(dtype):
+    """The dtype of the chunk-start states the forward's state pass stores for its output pass.
+    float32: the normalizer column z enters float32 sums, not only dots."""
+    return torch.float32
+
+
 def chunked_pass_dtype(dtype):
     """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
@@ -833,7 +848,7 @@ def chunked_pass_dtype(dtype):
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] float32: the chunk-start states
+    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
@@ -846,13 +861,14 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None):
+                   state_indices=None, h_dtype=torch.float32):
     """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr is in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
-    returned is the cache; rows outside [0, S) are neither read nor written)."""
+    returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -868,7 +884,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
         num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
-    h = torch.empty(n_slots, H, F, VS, **f32)
+    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
@@ -892,7 +908,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
-                        output_final_state, state_indices=state_indices)
+                        output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
@@ -904,156 +920,56 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
-# [v, 1]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
-# P the decayed causal scores and dP = dO V^T + c 1^T:
-#   dq̂ = (dO h_c^T + c z_c^T) + dP K̂
-#   dk̂ = (V dS^T + 1 dz^T) + dP^T Q̂
-#   dv = P^T dO + K̂ dS
-#   dS <- dS + Q̂^T dO   (dS of the chunk's start; dP, P through the decay ratios)
-# with dO = do / n, n_t = z_t.q̂_t + eps, and c = -do.õ / n^2 the output gradient of the ones
-# column (õ = [o z.q̂] the unnormalized outputs).
-# Three kernels:
-#   1. the forward's chunked_states_kernel (chunked_states): every chunk-start state h_c, recomputed;
-#      the forward's chunked_output_kernel: the normalizer n_t and the value blocks' shares of c.
-#   2. chunked_bwd_kernel, per (value block, sequence x head), chunks in reverse with dS [BF, BV]
-#      in registers (from the final state's gradient): dv, the value block's shares of dq̂, dk̂; after chunk 0, dS is the initial state's gradient.
-#   3. chunked_bwd_qk_kernel, per (chunk, head): sums the value blocks' shares;
-#      the chain rule through scale and the feature map (recomputed from q, k) -> dq, dk.
-# Memory: the forward saves nothing beyond its inputs. The per-chunk states h [chunks, H, F, VS]
-# (float32), the value blocks' dq̂, dk̂ shares, n and c live only inside this backward, recomputed
-# here from the inputs: a training step's extra memory stays O(T (F + V)) per head, plus this
-# transient O(T F V / chunk).
-# No tl.trans anywhere: every transposed operand is loaded transposed from memory (queries,
-# values, states, decays), and dk̂ is computed transposed and stored through transposed addresses.
+# U = [v, 1]. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
+# P the decayed causal scores and the output gradient dO = [do / n, c]:
+#   dv = P^T dO + K̂ dS          dS <- dS + Q̂^T dO
+#   dP = dO U^T       dq̂ = (dO h_c^T) + dP K̂       dk̂ = (U dS^T) + dP^T Q̂
+#   (dP through the decay ratios)
+# The normalizer is the ones column of the values, z its column of the state: with n_t = z_t.q̂_t + eps
+# and õ = [o z.q̂] the unnormalized outputs, the output gradient is [do / n, c], c = -do.õ / n^2.
+# Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
+#   1. chunked_states, the forward's: chunked_keys_kernel (chunk-parallel: the decayed keys
+#      K̂ ⊙ Γ_C/Γ) and chunked_states_kernel (sequential: h_c);
+#      the forward's chunked_output_kernel: n and the value blocks' shares of c.
+#   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
+#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂.
+#   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
+#      registers from the final state's gradient, chunks in reverse: stores dS (the chunk-end
+#      state's gradient, per chunk slot) and dv = dU + K̂ dS, then dS <- dS + Q̂^T dO;
+#      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
+#      path (dv's is off it).
+#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      U dS^T, dP and dP^T; -> dq̂, dk̂; the chain rule
+#      through scale and the feature map -> dq, dk.
+# dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
+# dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
+# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. dv is not
+# computed in step 4: P^T and the decayed keys would hold registers through its value loop, whose
+# accumulators (two [BT, BF], two [BT, BT]) use all 255 registers already (bf16 at K = V = 128 and
+# 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V + 1] float32 and
+# K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V + 1]
+# float32; dU [B, T, H, V + 1] float32 (dv's local part: dv is an output, rounded once) and Q̂
+# [B, T, H, F] (chunked_pass_dtype: it only enters dots); [v, 1], [do / n, c] [B, T, H, V + 1] and n, c [B, T, H] float32.
+# The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
 
 @triton.jit
-def chunked_bwd_kernel(
+def chunked_bwd_du_local_kernel(
     # pointers
-    q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
-    cu_seqlens, chunk_offsets,
+    q, k, g, omega, do, du, qg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, NTOK, NCH, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(1), tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk slot in the per-chunk buffers (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BT, BT] s < t in [t, s] (the gradients' pairs, s = t apart) and s <= t in [s, t] (scores transposed)
-    m_strict = o_i[:, None] > o_i[None, :]
-    m_causal_t = o_i[:, None] <= o_i[None, :]
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-    # this value block's rows of the [NV, B * T * H, *] shares (int64)
-    o_part = i_v.to(tl.int64) * NTOK * H
-
-    # [BF, BV] the state gradient block, from the final state's gradient
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
-    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
-    # [BF] the normalizer column's gradient dz (value block 0 only: the column is counted once)
-    o_zcol = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
-    # (a block compare: Triton's interpreter rejects a mask broadcast from a scalar condition)
-    m_zcol = m_f & (o_f * 0 + i_v == 0)
-    b_dz = tl.zeros([BF], dtype=tl.float32)
-    if HAS_DHT:
-        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
-        b_dz += tl.load(dht + o_zcol, mask=m_zcol, other=0.0).to(tl.float32)
-
-    NT = tl.cdiv(T_seq, BT)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        # [BK, BT] -> [BF, BT] queries transposed by the load; [BT, BK] -> [BT, BF] keys
-        b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_qt = b_qt * x_scale
-        b_qt = favor_exponent_tile_t(b_omega, b_qt, False)
-        b_qt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_qt) * f_scale, 0.0)
-        b_qt = b_qt * scale
-        b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = b_k * x_scale
-        b_k = favor_exponent_tile(b_k, b_omega_t, False)
-        b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
-        # [BT, BV] and [BV, BT] values, [BT, BV] output gradient
-        b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        # [BV, BF] the chunk-start state transposed by the load
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        # dO = do / n; [BT] c and [BF] z_c, the ones column's (value block 0 only)
-        b_do = b_do / tl.load(norm + o_tok, mask=m_t, other=1.0)[:, None]
-        b_c = tl.load(c + o_tok, mask=m_t & (o_i * 0 + i_v == 0), other=0.0)
-        b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_zcol, other=0.0)
-        # [BT, BT] dP = dO V^T + c 1^T; [BT] its diagonal dP_tt, kept apart (see the header)
-        b_dP = chunked_dot(b_do, b_vt, DOT_PRECISION) + b_c[:, None]
-        b_dd = tl.sum(b_do * b_v, 1) + b_c
-        # [BT, BF] dq̂ and [BF, BT] dk̂^T through the chunk-start state and the state gradient
-        b_dq = chunked_dot(b_do, b_hct, DOT_PRECISION) + b_c[:, None] * b_zc[None, :]
-        b_dkt_state = chunked_dot(b_dh, b_vt, DOT_PRECISION) + b_dz[:, None]
-        b_dP = tl.where(m_strict, b_dP, 0.0)
-        b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
-        b_k_rest = b_k
-        # inside the chunk, the pairs s < t: dq̂ += dP K̂, dk̂^T = Q̂^T dP
-        b_dq = chunked_dot(b_dP, b_k, DOT_PRECISION, b_dq)
-        b_dkt = chunked_dot(b_qt, b_dP, DOT_PRECISION)
-        # [BT, BV] dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS
-        b_dv_state = chunked_dot(b_k_rest, b_dh, DOT_PRECISION)
-        b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION) + b_dv_state
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        # this value block's shares: [NV, B * T * H, F] dq̂, dk̂; [NV, B * T * H] dP_tt
-        tl.store(dq_part + (o_part + o_tok[:, None]) * F + o_f[None, :], b_dq, mask=m_t[:, None] & m_f[None, :])
-        tl.store(dk_part + (o_part + o_tok[None, :]) * F + o_f[:, None], b_dkt + b_dkt_state, mask=m_f[:, None] & m_t[None, :])
-        tl.store(dd_part + o_part + o_tok, b_dd, mask=m_t)
-        # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
-        b_qt_g = b_qt
-        b_dh = chunked_dot(b_qt_g, b_do, DOT_PRECISION, b_dh)
-        b_dz = b_dz + tl.sum(b_qt_g * b_c[None, :], 1)
-
-    if HAS_H0:
-        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
-        tl.store(dh0 + o_zcol, b_dz.to(dh0.dtype.element_ty), mask=m_zcol)
-
-
-@triton.jit
-def chunked_bwd_qk_kernel(
-    # pointers
-    q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, NTOK, NCH, NV, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr,
-):
-    # one program per chunk slot of the state buffer and head
+    # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
+    # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
-        # the slot's sequence; the slots past the last chunk map past the last sequence's end (all masked)
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
     else:
@@ -1070,51 +986,226 @@ def chunked_bwd_qk_kernel(
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     m_k, m_f = o_k < K, o_f < F
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-    # [BT, BF] dq̂, dk̂ without the pair s = t, [BT] its coefficient dP_tt: the value blocks' shares summed
-    b_dq = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dd = tl.zeros([BT], dtype=tl.float32)
-    # the [NV, B * T * H, *] shares' rows (int64)
-    o_row = o_tok
-    for i_p in range(0, NV):
-        b_dq += tl.load(dq_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dk += tl.load(dk_part + o_row[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-        b_dd += tl.load(dd_part + o_row, mask=m_t, other=0.0)
-        o_row += NTOK * H
-    # [BT, BK] the raw tiles and their features
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+    # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q * x_scale
+    b_q = favor_exponent_tile(b_q, b_omega_t, False)
+    b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
+    b_q = b_q * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k * x_scale
+    b_k = favor_exponent_tile(b_k, b_omega_t, False)
+    b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
+    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_qt = b_qt * x_scale
+    b_qt = favor_exponent_tile_t(b_omega, b_qt, False)
+    b_qt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_qt) * f_scale, 0.0)
+    b_qt = b_qt * scale
+
+    # [BT, BF] the queries of the state gradient
+    tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q).to(qg.dtype.element_ty), mask=m_tf)
+    # [BT, BT] P^T [s, t]
+    b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        # [BT, BV]
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(du + o_tok[:, None] * V + o_v[None, :], chunked_dot(b_Pt, b_do, DOT_PRECISION).to(du.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunked_bwd_states_kernel(
+    # pointers
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
+    # dims
+    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # step 3, one program per (sequence x head, value block): the state gradient walked back over the
+    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state (the values' V and the normalizer's),
+    # of dO and dU; V of dv
+    i_v, i_nh = tl.program_id(1), tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_f, m_v = o_f < F, o_v < VS
+    # [BF, BV] the state gradient block, from the final state's gradient
+    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
+    m_state = m_f[:, None] & m_v[None, :]
+    b_dh = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
+        o_hc = ((boc + i_c) * H + i_h) * F * VS
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BF] the decayed keys; [BF, BT] the queries of the state gradient, transposed by the
+        # load: dot operands as stored
+        b_kr = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        b_qgt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+
+        # [BT, BV] dU = (step 2's P^T dO) + K̂ dS; the stored part is added to the product,
+        # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
+        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+        # dS <- dS + Q̂^T dO: the gradient of the chunk-start state
+
+        b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh)
+
+    if HAS_H0:
+        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def chunked_bwd_dqk_kernel(
+    # pointers
+    q, k, g, omega, do, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # step 4, one program per chunk slot and head: the gradients through the output and the state
+    # gradient -> dq, dk
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BF, BK]
+    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+
+    # [BK, BF]
+    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+
+    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
+    # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
+    # them: they would hold registers through it)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BF], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_vt = m_v[:, None] & m_t[None, :]
+        m_vf = m_v[:, None] & m_f[None, :]
+        # [BT, BV] and [BV, BT] the output gradient and U; [BV, BF] h_c and dS transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
+        b_dgc += tl.sum(b_hct * b_dst, 0)
+    # [BT] dP_tt, the pair s = t, kept apart (see the header)
+    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_xs = b_q * x_scale
     b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, False)
     b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
     b_q_hat = b_q_phi
+    b_qs = b_q_hat * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_xs = b_k * x_scale
     b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, False)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
     b_k_hat = b_k_phi
-    # [BT, BF] q̂ = scale * b_q_hat
-    b_qs = b_q_hat * scale
 
-    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale)
-    b_dk += b_dd[:, None] * b_qs
+
+    # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
+    b_dq = b_dqh
+    b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k_hat, DOT_PRECISION, b_dq)
+    # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
+    b_dk = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)
+    b_dki = b_uds
+
+    # [BT, BF] dk̂ = dk̂' + dk̂" and the pair s = t -> the gradient of the raw keys
+    b_dk = b_dk + b_dki + b_dd[:, None] * b_qs
+    # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
+    b_dk = b_dk * b_k_phi
+    b_dk = (tl.dot(b_dk, b_omega, input_precision="ieee") - b_k_xs * tl.sum(b_dk, 1)[:, None]) * x_scale
+
+    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
     # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
     b_dq = b_dq * b_q_phi
     b_dq = (tl.dot(b_dq, b_omega, input_precision="ieee") - b_q_xs * tl.sum(b_dq, 1)[:, None]) * x_scale
-    # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
-    b_dk = b_dk * b_k_phi
-    b_dk = (tl.dot(b_dk, b_omega, input_precision="ieee") - b_k_xs * tl.sum(b_dk, 1)[:, None]) * x_scale
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-    tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
@@ -1124,51 +1215,58 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     chunk = launch.bwd_chunk
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     g = g.contiguous() if g is not None else None
-    beta = beta.contiguous() if beta is not None else None
     initial_state = initial_state.contiguous() if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
-    NV = triton.cdiv(V, BV)
-    # kernel 1: the forward's sequential pass, for the chunk-start states
+    # step 1: the forward's keys and sequential pass: h_c, the decayed keys
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
                         output_final_state=False)
-    h, chunk_offsets, chunk_seq, n_chunks = st.h, st.chunk_offsets, st.chunk_seq, st.n_slots
     f32 = dict(device=q.device, dtype=torch.float32)
-    # the normalizer n and the value blocks' shares of c, from the forward's output kernel
+    tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
+    meta = dict(BT=chunk, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
+                num_warps=launch.bwd_warps, maxnreg=launch.maxnreg)
+    # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
+    # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
+    # fp32 in step 4)
+    parallel = dict(BK=BK, num_stages=2, **meta)
+    # the normalizer n and the value blocks' shares of c, from the forward's output kernel; then the
+    # values [v, 1] and the output gradient [do / n, c] of the additive rule on VS = V + 1 columns
     norm = torch.empty(B, T, H, **f32)
-    c_part = torch.empty(NV, B, T, H, **f32)
-    chunked_output_kernel[(n_chunks, NV * H)](
-        q, k, v, g, omega, None, h, None, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    c_part = torch.empty(triton.cdiv(V, BV), B, T, H, **f32)
+    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+        q, k, v, g, omega, None, st.h, None, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
         DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.bwd_warps, maxnreg=launch.maxnreg,
     )
-    # One pipeline stage: a backward chunk loads q, k, v, do in both layouts and two state tiles,
-    # more than the shared memory holds twice at head dim 128
-    meta = dict(BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None,
-                HAS_H0=initial_state is not None, DOT_PRECISION=chunked_dot_precision(q.dtype),
-                num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg)
-    c = c_part.sum(0) if NV > 1 else c_part[0]
-    dq_part = torch.empty(NV, B, T, H, F, **f32)
-    dk_part = torch.empty(NV, B, T, H, F, **f32)
-    dd_part = torch.empty(NV, B, T, H, **f32)
-    dki_part = dgc_part = None
+    u = torch.cat([v, v.new_ones(B, T, H, 1)], -1).to(chunked_pass_dtype(q.dtype))
+    do = torch.cat([do.float() / norm[..., None], c_part.sum(0)[..., None]], -1)
+    # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
+    # the queries of the state gradient
+    du, qg = torch.empty(B, T, H, VS, **f32), torch.empty(B, T, H, F, **tiles)
+    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale, x_scale=K ** -0.25,
+        f_scale=F ** -0.5, **parallel,
+    )
+    # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
+    # planner.bwd_states_stage_bytes)
+    ds = torch.empty(st.n_slots, H, F, VS, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_kernel[(N * H, NV)](
-        q, k, v, g, omega, do, dht, h, norm, c, dq_part, dk_part, dki_part, dd_part, dgc_part, dv, dh0,
-        cu_seqlens, chunk_offsets,
-        T, B * T, n_chunks, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, HAS_DHT=dht is not None, **meta,
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(VS, BV))](
+        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
+    # step 4: dq, dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
-    chunked_bwd_qk_kernel[(n_chunks, H)](
-        q, k, omega, dq_part, dk_part, dki_part, dd_part, dgc_part, dq, dk, dg, cu_seqlens, chunk_offsets,
-        chunk_seq, T, B * T, n_chunks, NV, H, K, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, num_warps=launch.bwd_warps, num_stages=1, maxnreg=launch.maxnreg,
+    chunked_bwd_dqk_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, u, st.h, ds, dq, dk, dg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale,
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, None, None, dh0, None
 
@@ -1257,7 +1355,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
+             dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
@@ -1337,8 +1436,8 @@ def _contract(q, k, v, g=None, beta=None, scale=None, initial_state=None, output
 
 
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? beta=None, float? scale=None, "
-                   "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) "
-                   "-> (Tensor, Tensor)")
+                   "Tensor? initial_state=None, bool output_final_state=False, "
+                   "Tensor? cu_seqlens=None) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops

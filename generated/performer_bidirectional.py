@@ -183,8 +183,7 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     return run
 
 
-def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                  state_indices=None):
+def recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state, state_indices=None):
     """Launch the token loop. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK: grouped
     value heads) -> o, final state.
     With state_indices [N] (int32 or int64), initial_state is a serving cache [S, H, F, VS] float32:
@@ -479,7 +478,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     contiguous = lambda t: t.contiguous() if t is not None else None
     q, k, v, g, beta, initial_state, cu_seqlens, do, dht = map(
         contiguous, (q, k, v, g, beta, initial_state, cu_seqlens, do, dht))
-    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
+    dq, dk, dv, dg, dbeta, dh0 = recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
+                                                      dht)
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- bidirectional form
 # Every token reads the whole sequence's state: o_t = S_T^T q̂_t with S_T = S0 + Σ_t k̂_t v_t^T
@@ -662,7 +662,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, d
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do, dht):
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
+             dht):
     """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
     (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
@@ -742,8 +743,8 @@ def _contract(q, k, v, g=None, beta=None, scale=None, initial_state=None, output
 
 
 CONTRACT_SCHEMA = (f"{SPEC_NAME}(Tensor q, Tensor k, Tensor v, Tensor? g=None, Tensor? beta=None, float? scale=None, "
-                   "Tensor? initial_state=None, bool output_final_state=False, Tensor? cu_seqlens=None) "
-                   "-> (Tensor, Tensor)")
+                   "Tensor? initial_state=None, bool output_final_state=False, "
+                   "Tensor? cu_seqlens=None) -> (Tensor, Tensor)")
 
 # Under its canonical import name too (imported the importlib way, with sys.modules set first):
 # attngen.load then uses this module rather than import it again, which would register its ops

@@ -768,9 +768,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
 # tensors only: dg without decay travels as an empty tensor.
 @torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba_softmax_bwd", mutates_args=())
 def softmax_bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor,
-    lse: torch.Tensor, do: torch.Tensor, dlse: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+    dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
                                         dlse)
@@ -815,8 +815,8 @@ def forward(q, k, v, g, cu_seqlens, scale, max_len, launch):
 
 @torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba", mutates_args=())
 def op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor],
-    cu_seqlens: Optional[torch.Tensor], scale: float, max_len: int, launch: list[int],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, max_len: int, launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return forward(q, k, v, g, cu_seqlens, scale, max_len, launch)
 

@@ -54,6 +54,56 @@ def assert_matches_oracle(spec, inputs, o, state, what):
         assert err <= tol, f"{what}: {name} rel err {err:.2e} > tol {tol:.2e}"
 
 
+def serve_continuously(op, reqs, plan, cache, step, free, seed, pad):
+    """The continuous batching both families' tests run, for 12 steps: the requests of `plan`
+    [(length, prefill length, the step it joins at)] that join take a slot from `free` (reset)
+    and are prefilled through the cache (two at once packed with cu_seqlens); then every active
+    request decodes its next token through the prepared `step`, in a batch whose rows are shuffled
+    (random.Random(seed)) and padded with `pad` at slot -1; a request that reaches its length
+    leaves and its slot is reused. Returns each request's outputs [1, T, H, V] and the state its
+    slot held when it left (None for a key/value cache)."""
+    rng = random.Random(seed)
+    slot_of, done, outs, left = {}, {}, {r: [] for r in range(len(plan))}, {}
+    with torch.no_grad():
+        for t in range(12):
+            joining = [r for r, (_, _, at) in enumerate(plan) if at == t]
+            if joining:
+                for r in joining:
+                    slot_of[r], done[r] = free.pop(), plan[r][1]
+                cache.reset([slot_of[r] for r in joining])
+                pieces = [tokens(reqs[r], 0, plan[r][1]) for r in joining]
+                packed = {n: (torch.cat([p[n] for p in pieces], 1) if pieces[0][n].dim() > 1 else pieces[0][n])
+                          for n in pieces[0]}
+                cu = torch.tensor([0, *torch.tensor([plan[r][1] for r in joining]).cumsum(0).tolist()],
+                                  dtype=torch.int32)
+                slots = torch.tensor([slot_of[r] for r in joining], dtype=torch.int32)
+                o = op(**packed, cu_seqlens=cu if len(joining) > 1 else None, cache=cache, slots=slots)
+                if op.spec.is_linear:
+                    o, none = o
+                    assert none is None
+                for r, a, b in zip(joining, cu[:-1].tolist(), cu[1:].tolist()):
+                    outs[r].append(o[:, a:b])
+            active = [r for r in slot_of if r not in left]
+            if not active:
+                continue
+            rows = active + [None] * (step.batch - len(active))
+            rng.shuffle(rows)
+            batch = stack([tokens(reqs[r], done[r], done[r] + 1) if r is not None else pad for r in rows])
+            o = step(**batch, slots=torch.tensor([slot_of[r] if r is not None else -1 for r in rows],
+                                                 dtype=torch.int32))
+            for i, r in enumerate(rows):
+                if r is None:
+                    continue
+                # a linear op's step returns the same tensor every call
+                outs[r].append(o[i:i + 1].clone())
+                done[r] += 1
+                if done[r] == plan[r][0]:
+                    left[r] = cache.state[slot_of[r]].clone() if op.spec.is_linear else None
+                    free.insert(0, slot_of[r])
+    assert set(left) == set(range(len(plan)))
+    return {r: torch.cat(o, 1) for r, o in outs.items()}, left
+
+
 @pytest.mark.parametrize("name", SERVED)
 def test_continuous_batching_equals_whole_sequences(name, triton_backend):
     """Requests join (prefilled, two at once packed with cu_seqlens), decode in a batch of 3 rows
@@ -61,51 +111,13 @@ def test_continuous_batching_equals_whole_sequences(name, triton_backend):
     request's outputs and final state equal one forward over its whole sequence; slots no request
     holds stay zero."""
     op = shipped(name)
-    rng = random.Random(0)
-    # (length, prefill length, the step it joins at)
     plan = [(7, 3, 0), (5, 2, 0), (6, 4, 2), (4, 1, 5)]
     reqs = [request_inputs(op.spec, length, seed) for seed, (length, _, _) in enumerate(plan)]
     cache = attngen.StateCache(op, slots=6, heads=H, head_dim=K, value_dim=V)
-    step = op.prepare_decode(cache, batch=3)
-    free, slot_of, done, outs, finals = [5, 1, 3, 0], {}, {}, {r: [] for r in range(len(plan))}, {}
-    pad = request_inputs(op.spec, 1, 99)
-    with torch.no_grad():
-        for t in range(12):
-            joining = [r for r, (_, _, at) in enumerate(plan) if at == t]
-            if joining:
-                for r in joining:
-                    slot_of[r] = free.pop()
-                    done[r] = plan[r][1]
-                cache.reset([slot_of[r] for r in joining])
-                pieces = [tokens(reqs[r], 0, plan[r][1]) for r in joining]
-                lengths = [plan[r][1] for r in joining]
-                packed = {n: (torch.cat([p[n] for p in pieces], 1) if pieces[0][n].dim() > 1 else pieces[0][n])
-                          for n in pieces[0]}
-                cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-                slots = torch.tensor([slot_of[r] for r in joining], dtype=torch.int32)
-                o, none = op(**packed, cu_seqlens=cu if len(joining) > 1 else None, cache=cache, slots=slots)
-                assert none is None
-                for r, a, b in zip(joining, cu[:-1].tolist(), cu[1:].tolist()):
-                    outs[r].append(o[:, a:b])
-            active = [r for r in slot_of if r not in finals]
-            if not active:
-                continue
-            rows = active + [None] * (3 - len(active))
-            rng.shuffle(rows)
-            batch = stack([tokens(reqs[r], done[r], done[r] + 1) if r is not None else pad for r in rows])
-            slots = torch.tensor([slot_of[r] if r is not None else -1 for r in rows], dtype=torch.int32)
-            o = step(**batch, slots=slots)
-            for i, r in enumerate(rows):
-                if r is None:
-                    continue
-                outs[r].append(o[i:i + 1].clone())
-                done[r] += 1
-                if done[r] == plan[r][0]:
-                    finals[r] = cache.state[slot_of[r]].clone()
-                    free.insert(0, slot_of[r])
-    assert len(finals) == len(plan)
+    outs, finals = serve_continuously(op, reqs, plan, cache, op.prepare_decode(cache, batch=3), free=[5, 1, 3, 0],
+                                      seed=0, pad=request_inputs(op.spec, 1, 99))
     for r in range(len(plan)):
-        assert_matches_oracle(op.spec, reqs[r], torch.cat(outs[r], 1), finals[r][None], f"request {r}")
+        assert_matches_oracle(op.spec, reqs[r], outs[r], finals[r][None], f"request {r}")
     # slot 2 and 4 were never handed out: padding rows (slot -1) wrote nothing
     assert cache.state[[2, 4]].abs().max() == 0
 
@@ -387,51 +399,17 @@ def assert_attends_like_oracle(spec, inputs, o, what):
 def test_softmax_continuous_batching(name, backend):
     """Softmax layers on a key/value cache: requests prefilled (two packed), then decoded (a
     prepared step) in a batch whose order and padding change every step, leaving and their slots
-    reused; each
-    request's outputs equal attention over its whole sequence (grouped-query heads; the small
-    windows' rings of 6 rows wrap; forgetting attention's cache keeps each key's cumulative log
-    decay, per query head)."""
+    reused (serve_continuously); each request's outputs equal attention over its whole sequence
+    (grouped-query heads; the small windows' rings of 6 rows wrap; forgetting attention's cache keeps
+    each key's cumulative log decay, per query head)."""
     op = softmax_op(name)
-    rng = random.Random(1)
     plan = [(9, 3, 0), (6, 2, 0), (7, 3, 2), (5, 1, 4)]
     reqs = [softmax_request(op.spec, length, seed) for seed, (length, _, _) in enumerate(plan)]
     cache = softmax_cache(op, 5)
-    step = op.prepare_decode(cache, batch=3, heads=HQ)
-    free, slot_of, done, outs, left = [4, 0, 2], {}, {}, {r: [] for r in range(len(plan))}, set()
-    pad = softmax_request(op.spec, 1, 99)
-    with torch.no_grad():
-        for t in range(12):
-            joining = [r for r, (_, _, at) in enumerate(plan) if at == t]
-            if joining:
-                for r in joining:
-                    slot_of[r], done[r] = free.pop(), plan[r][1]
-                cache.reset([slot_of[r] for r in joining])
-                pieces = [tokens(reqs[r], 0, plan[r][1]) for r in joining]
-                packed = {n: torch.cat([p[n] for p in pieces], 1) for n in pieces[0]}
-                cu = torch.tensor([0, *torch.tensor([plan[r][1] for r in joining]).cumsum(0).tolist()],
-                                  dtype=torch.int32)
-                o = op(**packed, cu_seqlens=cu if len(joining) > 1 else None, cache=cache,
-                       slots=torch.tensor([slot_of[r] for r in joining], dtype=torch.int32))
-                for r, a, b in zip(joining, cu[:-1].tolist(), cu[1:].tolist()):
-                    outs[r].append(o[:, a:b])
-            active = [r for r in slot_of if r not in left]
-            if not active:
-                continue
-            rows = active + [None] * (3 - len(active))
-            rng.shuffle(rows)
-            batch = stack([tokens(reqs[r], done[r], done[r] + 1) if r is not None else pad for r in rows])
-            o = step(**batch, slots=torch.tensor([slot_of[r] if r is not None else -1 for r in rows],
-                                                 dtype=torch.int32))
-            for i, r in enumerate(rows):
-                if r is not None:
-                    outs[r].append(o[i:i + 1])
-                    done[r] += 1
-                    if done[r] == plan[r][0]:
-                        left.add(r)
-                        free.insert(0, slot_of[r])
-    assert left == set(range(len(plan)))
+    outs, _ = serve_continuously(op, reqs, plan, cache, op.prepare_decode(cache, batch=3, heads=HQ), free=[4, 0, 2],
+                                 seed=1, pad=softmax_request(op.spec, 1, 99))
     for r in range(len(plan)):
-        assert_attends_like_oracle(op.spec, reqs[r], torch.cat(outs[r], 1), f"request {r}")
+        assert_attends_like_oracle(op.spec, reqs[r], outs[r], f"request {r}")
     # slots 1 and 3 were never handed out: padding stored nothing
     assert cache.lengths[[1, 3]].abs().max() == 0
 

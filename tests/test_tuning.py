@@ -22,6 +22,7 @@ from attngen.testing import Shape, kernel_launch, random_inputs, rel_error
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
 KDA = attngen.load_spec(SPECS / "kda.yaml")
+MAMBA2 = attngen.load_spec(SPECS / "mamba2.yaml")
 FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
 
 
@@ -73,6 +74,9 @@ def test_defaults_are_the_measured_launches():
         maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=3)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
+    # the additive rules' state-gradient pass is pipelined as the delta rule's: three stages of its
+    # keys, queries, float32 dU and do
+    assert default(call, spec=MAMBA2).bwd_ds_stages == 3
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, states_BV=32, states_warps=4, stages=2, output_BV=32, output_warps=4,
         maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=2)
