@@ -395,11 +395,11 @@ def bwd_states_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torc
     """The tiles one chunk of the backward's state-gradient pass loads: the decayed keys and the
     queries transposed (in chunked_pass_dtype), and do; the delta rule's W transposed and dU in
     chunked_pass_dtype, the additive rule's dU (dv's local part) in float32. do is in the input
-    dtype, float32 with normalize sum ([do / n, c])."""
+    dtype, do / n in chunked_pass_dtype with normalize sum."""
     tile = 2 if dtype == torch.bfloat16 else 4
     if spec.update == "delta":
         return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
-    return chunk * (2 * BF * tile + BV * (4 + (4 if spec.normalize == "sum" else dtype.itemsize)))
+    return chunk * (2 * BF * tile + BV * (4 + (tile if spec.normalize == "sum" else dtype.itemsize)))
 
 
 def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:

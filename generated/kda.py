@@ -1398,8 +1398,7 @@ def chunked_bwd_states_kernel(
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state,
-    # of dO and dU; V of dU itself (in place)
+    # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU (in place)
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1417,7 +1416,7 @@ def chunked_bwd_states_kernel(
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_f, m_v = o_f < F, o_v < VS
+    m_f, m_v = o_f < F, o_v < V
     # [BF, BV] the state gradient block, from the final state's gradient
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
@@ -1443,10 +1442,10 @@ def chunked_bwd_states_kernel(
         b_wt = tl.load(w + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
-        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
         b_gam_C = tl.load(gc + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)

@@ -694,8 +694,8 @@ def chunked_output_kernel(
 ):
     # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
     # state S_c, divided by n = (Q ⊙ Γ) z_c + rowsum(P) + eps
-    # NORM_GRAD (the backward's use): instead of o, store n and this value block's share of
-    # c = -do.õ / n^2, õ = [o n] the unnormalized outputs
+    # NORM_GRAD (the backward's use): instead of o, store n, this value block's share of
+    # c = -do.õ / n^2, õ = [o n] the unnormalized outputs, and (into o) do / n
     i_s, i_vh = tl.program_id(0), tl.program_id(1)
     i_v, i_h = i_vh // H, i_vh % H
     if IS_VARLEN:
@@ -755,6 +755,8 @@ def chunked_output_kernel(
     if NORM_GRAD:
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         tl.store(c_part + i_v.to(tl.int64) * NTOK * H + o_tok, -tl.sum(b_do * b_o, 1) / (b_n * b_n), mask=m_t)
+        # the values' output gradient do / n, into o
+        tl.store(o + o_tok[:, None] * V + o_v[None, :], (b_do / b_n[:, None]).to(o.dtype.element_ty), mask=m_tv)
         if i_v == 0:
             tl.store(norm + o_tok, b_n, mask=m_t)
     else:
@@ -927,10 +929,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #   (dP through the decay ratios)
 # The normalizer is the ones column of the values, z its column of the state: with n_t = z_t.q̂_t + eps
 # and õ = [o z.q̂] the unnormalized outputs, the output gradient is [do / n, c], c = -do.õ / n^2.
+# The kernels keep the values' V columns as the rule's (dO = do / n, stored by the output pass that
+# computes n and c) and carry the ones column as vectors, as the forward's state pass carries z: its
+# dU is not needed, its dS column dz [BF] is a small sequential kernel's in step 3, and in step 4 it
+# adds the rank-1 terms c z_c^T to dO h_c^T, 1 dz^T to U dS^T, c 1^T to dP and 1 c^T to dP^T. No
+# [v, 1] or [do / n, c] is built.
 # Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
 #   1. chunked_states, the forward's: chunked_keys_kernel (chunk-parallel: the decayed keys
 #      K̂ ⊙ Γ_C/Γ) and chunked_states_kernel (sequential: h_c);
-#      the forward's chunked_output_kernel: n and the value blocks' shares of c.
+#      the forward's chunked_output_kernel: dO = do / n, n and the value blocks' shares of c.
 #   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
 #      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂.
 #   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
@@ -938,6 +945,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      state's gradient, per chunk slot) and dv = dU + K̂ dS, then dS <- dS + Q̂^T dO;
 #      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
 #      path (dv's is off it).
+#      chunked_bwd_norm_states_kernel, sequential per sequence x head: the normalizer's column dz of
+#      dS the same way, dz <- dz + Q̂^T c.
 #   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
 #      U dS^T, dP and dP^T; -> dq̂, dk̂; the chain rule
 #      through scale and the feature map -> dq, dk.
@@ -949,8 +958,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V + 1] float32 and
 # K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V + 1]
-# float32; dU [B, T, H, V + 1] float32 (dv's local part: dv is an output, rounded once) and Q̂
-# [B, T, H, F] (chunked_pass_dtype: it only enters dots); [v, 1], [do / n, c] [B, T, H, V + 1] and n, c [B, T, H] float32.
+# float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
+# [B, T, H, F] (chunked_pass_dtype: it only enters dots); dO [B, T, H, V] (chunked_pass_dtype) and n, c [B, T, H] float32.
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
@@ -1039,8 +1048,9 @@ def chunked_bwd_states_kernel(
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state (the values' V and the normalizer's),
-    # of dO and dU; V of dv
+    # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU and dv;
+    # the normalizer's column V of the [.., F, VS] state gradients (VS = V + 1) is
+    # chunked_bwd_norm_states_kernel's
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1058,7 +1068,7 @@ def chunked_bwd_states_kernel(
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_f, m_v = o_f < F, o_v < VS
+    m_f, m_v = o_f < F, o_v < V
     # [BF, BV] the state gradient block, from the final state's gradient
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
@@ -1084,10 +1094,10 @@ def chunked_bwd_states_kernel(
 
         # [BT, BV] dU = (step 2's P^T dO) + K̂ dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
-        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- dS + Q̂^T dO: the gradient of the chunk-start state
 
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh)
@@ -1097,11 +1107,63 @@ def chunked_bwd_states_kernel(
 
 
 @triton.jit
+def chunked_bwd_norm_states_kernel(
+    # pointers
+    qg, gc, c, dht, ds, dh0, cu_seqlens, chunk_offsets,
+    # dims
+    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
+):
+    # step 3's normalizer column, one program per sequence x head: dz [BF] walked back over the chunks,
+    # dz <- dz + Q̂^T c (c [BT] per chunk, float32 products of step 2's queries), into
+    # the column V of the state gradients. Apart from chunked_bwd_states_kernel: carried there beside
+    # the [BF, BV] block, the vector costs that kernel ~300 B of spills (bf16, K = V = 128;
+    # bench/compile_time.py)
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    # the sequence's first chunk slot in the per-chunk buffers (int64)
+    if IS_VARLEN:
+        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+
+    o_i = tl.arange(0, BT)
+    o_f = tl.arange(0, BF)
+    m_f = o_f < F
+    # [BF] the normalizer's column, from the final state's gradient
+    o_z = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
+    b_dz = tl.zeros([BF], dtype=tl.float32)
+    if HAS_DHT:
+        b_dz += tl.load(dht + o_z, mask=m_f, other=0.0).to(tl.float32)
+    NT = tl.cdiv(T_seq, BT)
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        tl.store(ds + ((boc + i_c) * H + i_h) * F * VS + o_f * VS + V, b_dz, mask=m_f)
+        # [BT] the chunk's tokens (c: 0 on padded ones); [BT, BF] step 2's queries
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
+        b_qg = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+
+        b_dz = b_dz + tl.sum(b_qg * b_c[:, None], 0)
+    if HAS_H0:
+        tl.store(dh0 + o_z, b_dz.to(dh0.dtype.element_ty), mask=m_f)
+
+
+@triton.jit
 def chunked_bwd_dqk_kernel(
     # pointers
-    q, k, g, omega, do, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, c, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -1144,13 +1206,20 @@ def chunked_bwd_dqk_kernel(
 
     # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
     # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
-    # them: they would hold registers through it)
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
-    b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
-    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BF], dtype=tl.float32)
+    # them: they would hold registers through it); the states h_c and dS have VS = V + 1 columns
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    # the accumulators start from the ones column of U and the normalizer's of h_c (z_c [BF]), dS
+    # (dz [BF]) and dO (c [BT], 0 on padded tokens): rank-1 terms c z_c^T, 1 dz^T, c 1^T and 1 c^T of
+    # the four products, z_c ⊙ dz of the last (float32; before the loop, whose tiles they would
+    # share the registers with after it)
+    b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
+    b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    b_dz = tl.load(ds + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    b_dqh = b_c[:, None] * b_zc[None, :]
+    b_uds = tl.where(m_t[:, None], b_dz[None, :], 0.0)
+    b_dP = tl.where(m_t[None, :], b_c[:, None], 0.0)
+    b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
+    b_dgc = b_zc * b_dz
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1162,8 +1231,8 @@ def chunked_bwd_dqk_kernel(
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
         b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0)
-        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_vf, other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
@@ -1233,23 +1302,31 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4)
     parallel = dict(BK=BK, num_stages=2, **meta)
-    # the normalizer n and the value blocks' shares of c, from the forward's output kernel; then the
-    # values [v, 1] and the output gradient [do / n, c] of the additive rule on VS = V + 1 columns
+    # the output gradient [do / n, c] on the values [v, 1], from the forward's output kernel: dO = do / n
+    # (chunked_pass_dtype: it only enters dots, which round it so), n and the value blocks' shares of
+    # c; the kernels below carry the ones column as vectors. The output kernel runs with its own
+    # value blocks (a program's scores and features serve all its value lanes: the backward's
+    # narrower BV would recompute them per block), at most 64 (128 lanes at K = V = 128 spill 48 B
+    # with bf16, 64 none; bench/compile_time.py)
     norm = torch.empty(B, T, H, **f32)
-    c_part = torch.empty(triton.cdiv(V, BV), B, T, H, **f32)
-    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, None, st.h, None, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+    OBV = min(launch.output_BV, 64)
+    c_part = torch.empty(triton.cdiv(V, OBV), B, T, H, **f32)
+    do_n = torch.empty(B, T, H, V, **tiles)
+    chunked_output_kernel[(st.n_slots, triton.cdiv(V, OBV) * H)](
+        q, k, v, g, omega, None, st.h, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.bwd_warps, maxnreg=launch.maxnreg,
+        BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
-    u = torch.cat([v, v.new_ones(B, T, H, 1)], -1).to(chunked_pass_dtype(q.dtype))
-    do = torch.cat([do.float() / norm[..., None], c_part.sum(0)[..., None]], -1)
+    c = c_part[0] if c_part.shape[0] == 1 else c_part.sum(0)
+    do = do_n
+    # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
+    u = v.to(chunked_pass_dtype(q.dtype))
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
-    du, qg = torch.empty(B, T, H, VS, **f32), torch.empty(B, T, H, F, **tiles)
+    du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale, x_scale=K ** -0.25,
+        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
@@ -1257,15 +1334,19 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     ds = torch.empty(st.n_slots, H, F, VS, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, triton.cdiv(VS, BV))](
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
         None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
+    )
+    chunked_bwd_norm_states_kernel[(N * H,)](
+        qg, st.gc, c, dht, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F, BT=chunk, BF=BF,
+        IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
     )
     # step 4: dq, dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
     chunked_bwd_dqk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, u, st.h, ds, dq, dk, dg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale,
+        q, k, g, omega, do, c, u, st.h, ds, dq, dk, dg, **chunks, T=T, H=H, K=K, V=V, VS=VS, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, None, None, dh0, None

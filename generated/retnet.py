@@ -987,8 +987,7 @@ def chunked_bwd_states_kernel(
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies. VS columns of the state,
-    # of dO and dU; V of dv
+    # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU and dv
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1006,7 +1005,7 @@ def chunked_bwd_states_kernel(
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_f, m_v = o_f < F, o_v < VS
+    m_f, m_v = o_f < F, o_v < V
     # [BF, BV] the state gradient block, from the final state's gradient
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
@@ -1032,10 +1031,10 @@ def chunked_bwd_states_kernel(
 
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
-        b_do = tl.load(do + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * VS + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C)
@@ -1190,21 +1189,21 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # fp32 in step 4)
     parallel = dict(BK=BK, num_stages=2, **meta)
     # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
-    u, VS = v.to(chunked_pass_dtype(q.dtype)), V
+    u = v.to(chunked_pass_dtype(q.dtype))
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
-    du, qg = torch.empty(B, T, H, VS, **f32), torch.empty(B, T, H, F, **tiles)
+    du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale, x_scale=K ** -0.25,
+        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
     # planner.bwd_states_stage_bytes)
-    ds = torch.empty(st.n_slots, H, F, VS, **f32)
+    ds = torch.empty(st.n_slots, H, F, V, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, triton.cdiv(VS, BV))](
-        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
+        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
     # step 4: dq, dk, the decay gradient
@@ -1212,7 +1211,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # the chunks' shares of a constant decay's gradient
     dg_chunks = torch.empty(st.n_slots, H, **f32)
     chunked_bwd_dqk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, u, st.h, ds, dq, dk, dg_chunks, **chunks, T=T, H=H, K=K, V=VS, F=F, scale=scale,
+        q, k, g, omega, do, u, st.h, ds, dq, dk, dg_chunks, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     dg = dg_chunks.sum(0, dtype=torch.float64).to(g.dtype)

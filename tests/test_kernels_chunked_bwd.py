@@ -168,6 +168,26 @@ def test_vector_decay_both_sides_of_the_span(kernel_backward, name, dtype, chunk
     assert not failures, f"{name} chunk {chunk} {dtype}:\n" + "\n".join(failures)
 
 
+@pytest.mark.parametrize("name", ["linear_transformer", "performer", "gla_sum"])
+def test_normalizer_builds_no_value_copies(kernel_backward, monkeypatch, name):
+    """With normalize sum the kernels take the V value columns and carry the ones column as vectors:
+    no [v, 1] or [do / n, c] is concatenated (torch.cat fails inside the backward), and the
+    gradients still match the interpreter."""
+    module = codegen.load_module(attngen.load(SPECS[name]).spec)
+    inner = module.chunked_bwd
+
+    def no_cat(*args, **kwargs):
+        raise AssertionError("torch.cat in the chunked backward")
+
+    def guarded(*args, **kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "cat", no_cat)
+            return inner(*args, **kwargs)
+
+    monkeypatch.setattr(module, "chunked_bwd", guarded)
+    check(kernel_backward, SPECS[name], Shape(batch=2, q_len=37, heads=2, head_dim=8, value_dim=12))
+
+
 @pytest.mark.parametrize("name", ["linear_transformer", "mamba2", "gla_sum", "gated_deltanet"])
 def test_loss_on_output_only(kernel_backward, name):
     """No loss reaches the final state (dht is None): the state gradient starts from zero."""
