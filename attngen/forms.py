@@ -53,10 +53,12 @@ def feature_map(ctx: Ctx, q, k):
 def share_qk_heads(ctx: Ctx, q_hat, k_hat):
     """Grouped value heads: [B, T, H, F] query and key features -> [B, T, HV, F], value head h
     reading query / key head h // (HV / H)."""
-    group = ctx.call.heads // ctx.call.qk_heads
-    if group == 1:
-        return q_hat, k_hat
-    return q_hat.repeat_interleave(group, 2), k_hat.repeat_interleave(group, 2)
+    return repeat_heads(ctx.call.heads // ctx.call.qk_heads, 2, q_hat, k_hat)
+
+
+def repeat_heads(group: int, dim: int, *xs):
+    """Each head of xs repeated `group` times along dim (consecutive heads share a source head)."""
+    return xs if group == 1 else tuple(x.repeat_interleave(group, dim) for x in xs)
 
 
 def query_features(ctx: Ctx, q):
@@ -255,10 +257,7 @@ def readout(ctx: Ctx, qs, S):
 def share_kv_heads(ctx: Ctx, ks, vs):
     """Grouped-query attention: [N, H_kv, L, *] keys and values -> [N, H, L, *], query head h
     reading key / value head h // (H / H_kv)."""
-    group = ctx.call.heads // ctx.call.kv_heads
-    if group == 1:
-        return ks, vs
-    return ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+    return repeat_heads(ctx.call.heads // ctx.call.kv_heads, 1, ks, vs)
 
 
 SOFTMAX_QUERY_BLOCK = 1024  # queries per block: bounds the [block, keys] score tile

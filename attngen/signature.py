@@ -86,13 +86,12 @@ class OpSignature:
 
     def params(self) -> list[str]:
         """The def line's parameters, `*` before the keyword-only ones."""
-        out, starred = [], False
-        for a in self.args:
-            if a.keyword and not starred:
-                out.append("*")
-                starred = True
-            out.append(a.param())
-        return out
+        return self._starred([a.param() for a in self.args])
+
+    def _starred(self, items: list[str]) -> list[str]:
+        """items (one per argument) with `*` before the first keyword-only one."""
+        first = next((i for i, a in enumerate(self.args) if a.keyword), len(items))
+        return items[:first] + (["*"] if first < len(items) else []) + items[first:]
 
     def quoted(self) -> list[str]:
         """The names as string literals."""
@@ -103,13 +102,7 @@ class OpSignature:
 
     def schema(self, name: str, returns: str) -> str:
         """The torch.library schema `name(Tensor q, ...) -> returns`."""
-        out, starred = [], False
-        for a in self.args:
-            if a.keyword and not starred:
-                out.append("*")
-                starred = True
-            out.append(a.schema())
-        return f"{name}({', '.join(out)}) -> {returns}"
+        return f"{name}({', '.join(self._starred([a.schema() for a in self.args]))}) -> {returns}"
 
     def bind(self, **values) -> tuple:
         """The values in this signature's order (every argument given, by name, and no other)."""
