@@ -740,13 +740,48 @@ def execute(form: Form, ctx: forms.Ctx, env: dict[str, torch.Tensor | None]) -> 
     return {name: env[name] for name in form.outputs}
 
 
+def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The chunked kernels of a causal linear spec in launch order, (forward, backward), each step
+    (kernel, what it does); ((), ()) where the spec has no chunked kernels. The backward recomputes
+    the forward's first two steps at its own chunk."""
+    if not spec.is_linear or spec.mask == "bidirectional":
+        return (), ()
+    delta, norm = spec.update == "delta", spec.normalize == "sum"
+    prepare = (("chunked_ut_kernel", "chunk-parallel: (I + A)^-1 by 16-token blocks, W, U0, the decayed keys")
+               if delta else ("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"))
+    states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
+              + (", the written values U = U0 - W S" if delta else ""))
+    forward = (prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
+    if delta and spec.decay == "constant":
+        return forward, ()  # its gradients come from the PyTorch chunked form
+    backward = (prepare, states)
+    if norm:
+        backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)
+    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"),
+                 ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
+                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")))
+    if norm:
+        backward += (("chunked_bwd_norm_states_kernel", "sequential over chunks: the normalizer column's dz"),)
+    backward += (("chunked_bwd_dqk_kernel", "chunk-parallel: dq, dk" + (" share" if delta else "")
+                  + (", the decay gradient" if spec.decay != "none" else "")),)
+    if delta:
+        backward += (("chunked_bwd_wy_kernel", "chunk-parallel: the UT transform's backward -> dk, dv, dβ"
+                      + (", the decay gradient" if spec.decay != "none" else "")),)
+    return forward, backward
+
+
 def explain(plan_: Plan) -> str:
-    """The plan as text: semantics, then each form's stages."""
+    """The plan as text: semantics, then each form's stages, the chunked kernels' steps."""
     lines = [f"{plan_.spec.name}: {plan_.spec.describe()}", f"legal forms: {', '.join(f.name for f in plan_.forms)}"]
     for form in plan_.forms:
         lines.append(f"\nform {form.name}: {form.doc}")
         for i, stage in enumerate(form.stages, 1):
             lines.append(f"  {i:2d}. {stage.signature():<70s} # {stage.doc}")
+    forward, backward = chunked_steps(plan_.spec)
+    for name, steps in (("forward", forward), ("backward", backward)):
+        if steps:
+            lines.append(f"\nchunked kernels, {name}, in launch order:")
+            lines += [f"  {i:2d}. {kernel:<32s} # {doc}" for i, (kernel, doc) in enumerate(steps, 1)]
     lines.append("\n" + MEMORY[_memory_key(plan_.spec)])
     return "\n".join(lines)
 
@@ -758,14 +793,15 @@ MEMORY = {
     "bidirectional": "training memory (kernels): the forward saves o; the backward recomputes through the "
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
-              "keeps the chunk-start states (T/C x F x V floats per head, float32) and the decayed keys "
-              "(T x F values, bf16 for bf16 inputs, else float32; with the delta rule also W and the written "
-              "values, T x (F + V), and the UT transform's (I + A)^-1, T x C float32) only during the call; the "
-              "recurrent backward keeps per-token partials, O(T (K + V)) per head times the value blocks; the "
-              "chunked backward recomputes the chunk-start states at chunks of at most 32 tokens (T/32 x F x "
-              "V floats per head) and keeps per-value-block dq/dk partials (additive rules) or, with the delta "
-              "rule, the state gradient per chunk (as many floats as the states) and per-token pieces (dU, the "
-              "decayed queries, a dk part: T x (2F + V)), transient inside the backward",
+              "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
+              "float32 with vector decay, the sum normalizer or other inputs) and the decayed keys (T x F values, "
+              "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
+              "and the UT transform's (I + A)^-1, T x C float32); the recurrent backward keeps per-token "
+              "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "
+              "chunk-start states at chunks of at most 32 tokens (T/32 x F x V float32 per head) and keeps the "
+              "state gradient per chunk (as many floats as the states) and per-token pieces (dU, the decayed "
+              "queries: T x (F + V); with the delta rule a dk and decay-gradient part for its UT step, T x F "
+              "float32; with the normalizer n, c and dO / n), transient inside the backward",
 }
 
 

@@ -58,3 +58,30 @@ def test_any_legal_spec_renders_valid_python(spec_dict):
     compile(source, f"{spec.name}.py", "exec")
     assert "{{" not in source and "{%" not in source
     assert source == codegen.render(spec)  # deterministic
+
+
+def _launches(module, fn: str) -> list[str]:
+    """The kernels a generated launcher starts, in source order (chunked_states expanded)."""
+    import inspect
+    import re
+    out = []
+    for m in re.finditer(r"\b(chunked_\w+_kernel)\[|(?<!def )\bchunked_states\(", inspect.getsource(getattr(module, fn))):
+        out += [m.group(1)] if m.group(1) else _launches(module, "chunked_states")
+    return out
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(legal_specs())
+def test_explained_chunked_steps_are_the_generated_launches(spec_dict):
+    """`attngen explain`'s chunked kernel steps (planner.chunked_steps) are the kernels the generated
+    chunked_fwd and chunked_bwd launch, in that order, and every chunked kernel of the module is one."""
+    spec = load_spec(spec_dict)
+    forward, backward = planner.chunked_steps(spec)
+    module = codegen.load_module(spec)
+    if not hasattr(module, "chunked_fwd"):
+        assert forward == backward == ()
+        return
+    assert [k for k, _ in forward] == _launches(module, "chunked_fwd")
+    assert [k for k, _ in backward] == (_launches(module, "chunked_bwd") if module.CHUNKED_BACKWARD else [])
+    defined = {n for n in vars(module) if n.startswith("chunked_") and n.endswith("_kernel")}
+    assert defined == {k for k, _ in forward + backward} | ({"chunked_output_kernel"} if forward else set())
