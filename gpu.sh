@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU run: the benchmarks against the baselines, then tests/gpu (compiled Triton
 # kernels against the interpreter: forward, gradients, training). On the device:
-#   bash gpu.sh [pytest targets and args, default tests/gpu]
+#   bash gpu.sh [pytest targets and args, default tests/gpu | smoke]
 # The whole of tests/gpu takes longer than one 10-minute device call: give the forward file in
 # one call and the backward and training files in the next (GPU_BENCH= skips the benchmark).
 # Carry .whl with the fla-core wheel for the baselines. GPU_BENCH picks the benchmark passes, timed in
@@ -26,6 +26,8 @@ if [ -n "${GPU_BENCH-fwd,bwd}" ]; then
   echo "bench exit $?"; grep -v -i -e warn -e "rows = bench" "$OUT/bench.txt" | tail -c 7000
 fi
 [ $# -gt 0 ] || set -- tests/gpu
+# `bash gpu.sh smoke`: every spec at one shape, outputs (three dtypes) and bf16 gradients, a few minutes
+[ "$1" = smoke ] && set -- tests/gpu -k "(forward_matches and T1000 and D128) or (gradients and T1000 and D128 and bf16)"
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
 GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n "${GPU_TESTS_N:-12}" --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \
   > "$OUT/gpu_tests.log" 2>&1
