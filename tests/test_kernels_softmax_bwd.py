@@ -288,7 +288,7 @@ def test_torch_compile_fullgraph(return_lse, monkeypatch):
     assert torch.allclose(grad_c, layer.proj.weight.grad, rtol=1e-12, atol=0)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(["causal", "bidirectional", "window16", "forgetting"]),
        kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 2, 3]), Tq=st.integers(1, 40),
        extra=st.integers(0, 30), varlen=st.booleans(), dname=st.sampled_from(list(DTYPES)))

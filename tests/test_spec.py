@@ -452,7 +452,7 @@ def legal_spec_dicts(draw):
     return d
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(legal_spec_dicts())
 def test_legal_specs_load(d):
     spec = load_spec(d)
