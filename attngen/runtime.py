@@ -12,7 +12,7 @@ import torch
 
 from . import algebra, codegen, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
-from .signature import LINEAR_CACHED, LINEAR_INPUTS, LINEAR_OP, SOFTMAX_INPUTS, SOFTMAX_OP, softmax_cached
+from .signature import LINEAR_CACHED, LINEAR_INPUTS, LINEAR_OP, SOFTMAX_INPUTS, SOFTMAX_OP
 from .spec import Spec, load_spec
 
 BACKENDS = ("auto", "triton", "torch")
@@ -160,13 +160,9 @@ class Op:
         if _use_kernels(self.spec, q):
             if self._kernels is None:
                 self._kernels = kernels_for(self)
-            values = dict(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v, kv_lens=cache.lengths, kv_slots=slots,
-                          cu_seqlens=cu_seqlens, scale=call.scale, max_len=call.max_len,
-                          launch=cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
-            if self.spec.decay == "scalar":
-                # the new positions' log decays and the cache's G pairs
-                values.update(g=g, g_hi=cache.g_hi, g_lo=cache.g_lo)
-            args = softmax_cached(self.spec.decay).bind(**values)
+            args = serving.cached_softmax_args(self.spec, cache, q, k, v, g, slots, cu_seqlens, call.scale,
+                                               call.max_len,
+                                               cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
             if torch.compiler.is_compiling():
                 return self._kernels.cached_op(*args)
             return self._kernels.cached_forward(*args)

@@ -277,6 +277,17 @@ def run_torch_keys(attend, cache: StateCache, slots: torch.Tensor, q, k, v, cu_s
     return torch.cat(outs, 0 if cu is None else 1)
 
 
+def cached_softmax_args(spec: Spec, cache: StateCache, q, k, v, g, slots, cu_seqlens, scale, max_len, launch) -> tuple:
+    """The arguments of a softmax op's serving call on `cache` (the generated cached_forward and
+    cached_op), in their order: with scalar decay also the new positions' log decays g and the
+    cache's G pairs."""
+    values = dict(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v, kv_lens=cache.lengths, kv_slots=slots,
+                  cu_seqlens=cu_seqlens, scale=scale, max_len=max_len, launch=launch)
+    if spec.decay == "scalar":
+        values.update(g=g, g_hi=cache.g_hi, g_lo=cache.g_lo)
+    return softmax_cached(spec.decay).bind(**values)
+
+
 class DecodeStep:
     """A decode (or few-token) call on a StateCache, prepared for fixed shapes: step(q, k, v,
     g=None, beta=None, *, slots) with q [N, T, H, K], k [N, T, H (softmax: H_kv), K], v [N, T, H
@@ -363,11 +374,8 @@ class DecodeStep:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
             return self.op(q, k, v, g, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
-            values = dict(q=q, k=k, v=v, k_cache=cache.k, v_cache=cache.v, kv_lens=cache.lengths, kv_slots=slots,
-                          cu_seqlens=None, scale=self.scale, max_len=self.tokens, launch=self._launch)
-            if self._sg is not None:
-                values.update(g=g, g_hi=cache.g_hi, g_lo=cache.g_lo)
-            return self._run(*softmax_cached(self.op.spec.decay).bind(**values))
+            return self._run(*cached_softmax_args(self.op.spec, cache, q, k, v, g, slots, None, self.scale,
+                                                  self.tokens, self._launch))
         state = cache.state
         self._run(q, k, v, g, beta, self._omega, state, self.out, state, None, slots, cache.num_slots, self.scale)
         return self.out

@@ -1,4 +1,4 @@
-"""The arguments of the ops, described once (issue 15 item 6).
+"""The arguments of the ops, described once.
 
 Each op a generated module registers (the kernel op, its serving call on a cache, its backward)
 and the runtime contract (torch.ops.attngen.<name>, the module's `attention`) takes arguments
