@@ -1048,9 +1048,9 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # step that applies the chain rule. Steps 4 and 5 are not fused: each holds two [BT, BF] and two
 # [BT, BT] float32 accumulators over its value loop, and each alone already uses all 255 registers
 # (gated_deltanet bf16 at K = V = 128 and 32-token chunks: step 4 spills 1.3 KB; bench/compile_time.py).
-# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] float32, (I + A)^-1
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype), (I + A)^-1
 # [B, T, H, chunk] float32, W, K̂ ⊙ Γ_C/Γ [B, T, H, F] and U [B, T, H, V] (chunked_pass_dtype); the state
-# gradient per chunk dS [chunk slots, H, F, V] float32; dU [B, T, H, V] and Q̂ [B, T, H, F]
+# gradient per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); dU [B, T, H, V] and Q̂ [B, T, H, F]
 # (chunked_pass_dtype: they only enter dots); step 4's dk̂ [B, T, H, F] float32.
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
@@ -1160,7 +1160,7 @@ def chunked_bwd_states_kernel(
         i_c = NT - 1 - i_r
         # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1236,6 +1236,7 @@ def chunked_bwd_dqk_kernel(
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     b_dgc = tl.zeros([BF], dtype=tl.float32)
+    b_dgc_acc = tl.zeros([BV, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1253,7 +1254,8 @@ def chunked_bwd_dqk_kernel(
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-        b_dgc += tl.sum(b_hct * b_dst, 0)
+        b_dgc_acc += b_hct.to(tl.float32) * b_dst.to(tl.float32)
+    b_dgc += tl.sum(b_dgc_acc, 0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1355,7 +1357,7 @@ def chunked_bwd_wy_kernel(
         b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
         b_dTt = chunked_dot(b_v * b_beta[:, None], b_dut, DOT_PRECISION, b_dTt)
         b_dw = chunked_dot(-b_du, b_hct, DOT_PRECISION, b_dw)
-        b_dwt = chunked_dot(-b_hc, b_dut, DOT_PRECISION, b_dwt)
+        b_dwt = chunked_dot(-b_hc.to(tl.float32), b_dut, DOT_PRECISION, b_dwt)
     # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
@@ -1397,6 +1399,16 @@ def chunked_bwd_wy_kernel(
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
+def chunked_bwd_states_dtype(dtype):
+    """The dtype of the backward's largest buffers, the chunk-start states h_c (step 1 writes them) and
+    their gradients dS (step 3), [chunk slots, H, F, V] each.
+    chunked_pass_dtype, bf16 for bf16 inputs: the later steps read them as operands of dots, which
+    round them so anyway.
+    Half the bytes of float32 (B4 T8192 H16 K = V = 128 on the H200: mamba2's backward 0.8 ms faster,
+    1 GiB less memory; BENCHMARKS.md)."""
+    return chunked_pass_dtype(dtype)
+
+
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
@@ -1413,7 +1425,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, BV = chunked_blocks(K, F, launch)
     # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, (I + A)^-1
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
-                        output_final_state=False)
+                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype))
     f32 = dict(device=q.device, dtype=torch.float32)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
@@ -1431,7 +1443,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     )
     # step 3: the state gradient per chunk, dU, dh0 (its stages from the tiles one chunk loads:
     # planner.bwd_states_stage_bytes)
-    ds = torch.empty(st.n_slots, H, F, V, **f32)
+    ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
         st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,

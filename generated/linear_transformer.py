@@ -891,9 +891,9 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # computed in step 4: P^T and the decayed keys would hold registers through its value loop, whose
 # accumulators (two [BT, BF], two [BT, BT]) use all 255 registers already (bf16 at K = V = 128 and
 # 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
-# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V + 1] float32 and
-# K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V + 1]
-# float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V + 1] (chunked_bwd_states_dtype)
+# and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V + 1]
+# (chunked_bwd_states_dtype); dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
 # [B, T, H, F] (chunked_pass_dtype: it only enters dots); dO [B, T, H, V] (chunked_pass_dtype) and n, c [B, T, H] float32.
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
@@ -1005,7 +1005,7 @@ def chunked_bwd_states_kernel(
         i_c = NT - 1 - i_r
         # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
         o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], b_dh, mask=m_state)
+        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1139,6 +1139,7 @@ def chunked_bwd_dqk_kernel(
     b_dP = tl.where(m_t[None, :], b_c[:, None], 0.0)
     b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
     b_dgc = b_zc * b_dz
+    b_dgc_acc = tl.zeros([BV, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1156,7 +1157,8 @@ def chunked_bwd_dqk_kernel(
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-        b_dgc += tl.sum(b_hct * b_dst, 0)
+        b_dgc_acc += b_hct.to(tl.float32) * b_dst.to(tl.float32)
+    b_dgc += tl.sum(b_dgc_acc, 0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1188,6 +1190,13 @@ def chunked_bwd_dqk_kernel(
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
+def chunked_bwd_states_dtype(dtype):
+    """The dtype of the backward's largest buffers, the chunk-start states h_c (step 1 writes them) and
+    their gradients dS (step 3), [chunk slots, H, F, V + 1] each.
+    float32: the normalizer's columns z_c and dz enter float32 products, not only dots."""
+    return torch.float32
+
+
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, VS] float32 or None, launch a ChunkedLaunch ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
@@ -1203,7 +1212,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     BK, BF, BV = chunked_blocks(K, F, launch)
     # step 1: the forward's keys and sequential pass: h_c, the decayed keys
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
-                        output_final_state=False)
+                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype))
     f32 = dict(device=q.device, dtype=torch.float32)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
@@ -1242,7 +1251,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     )
     # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
     # planner.bwd_states_stage_bytes)
-    ds = torch.empty(st.n_slots, H, F, VS, **f32)
+    ds = torch.empty(st.n_slots, H, F, VS, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
