@@ -762,11 +762,14 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")))
     if norm:
         backward += (("chunked_bwd_norm_states_kernel", "sequential over chunks: the normalizer column's dz"),)
-    backward += (("chunked_bwd_dqk_kernel", "chunk-parallel: dq, dk" + (" share" if delta else "")
-                  + (", the decay gradient" if spec.decay != "none" else "")),)
+    decayed = spec.decay != "none"
+    backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
+                  + (", the decay gradient's query terms" if decayed else "")),
+                 ("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
+                  + (", the decay gradient" if decayed else "")))
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel: the UT transform's backward -> dk, dv, dβ"
-                      + (", the decay gradient" if spec.decay != "none" else "")),)
+                      + (", the decay gradient" if decayed else "")),)
     return forward, backward
 
 

@@ -877,19 +877,23 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      state's gradient, per chunk slot) and dv = dU + (K̂ ⊙ Γ_C/Γ) dS, then dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO;
 #      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
 #      path (dv's is off it).
-#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
-#      U dS^T, dP and dP^T; -> dq̂, dk̂, the decay gradient; the chain rule
-#      through scale and the feature map -> dq, dk.
+#   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
+#      dP; -> dq̂, the decay gradient's query terms; the chain rule through
+#      scale and the feature map -> dq.
+#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T, sum_v h_c ⊙ dS;
+#      -> dk̂, the decay gradient (with 4a's terms); the chain rule -> dk.
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
-# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. dv is not
-# computed in step 4: P^T and the decayed keys would hold registers through its value loop, whose
-# accumulators (two [BT, BF], two [BT, BT]) use all 255 registers already (bf16 at K = V = 128 and
-# 32-token chunks, Triton 3.6: mamba2's step 4 spills 404 B, gla's 4136 B; bench/compile_time.py).
+# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. Step 4 is
+# two kernels, each with one [BT, BF] and one [BT, BT] float32 accumulator over its value loop and
+# half the tiles after it: as one kernel (bf16 at K = V = 128 and 32-token chunks, Triton 3.6) gla's
+# spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us; mamba2's
+# took 1600 us as one, 668 + 1084 as two (BENCHMARKS.md). dv is not computed in step 4: P^T and the
+# decayed keys would hold registers through its value loop.
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype)
 # and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype), Γ_C; the state gradient per chunk dS [chunk slots, H, F, V]
 # (chunked_bwd_states_dtype); dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂ ⊙ Γ
-# [B, T, H, F] (chunked_pass_dtype: it only enters dots).
+# [B, T, H, F] (chunked_pass_dtype: it only enters dots); step 4a's part of the decay gradient (float32).
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
@@ -1031,9 +1035,9 @@ def chunked_bwd_states_kernel(
 
 
 @triton.jit
-def chunked_bwd_dqk_kernel(
+def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, h, dq, dgq, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1041,8 +1045,8 @@ def chunked_bwd_dqk_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # step 4, one program per chunk slot and head: the gradients through the output and the state
-    # gradient -> dq, dk, the decay gradient
+    # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
+    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms for step 4b (dgq)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1071,35 +1075,20 @@ def chunked_bwd_dqk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: [BT, BF] dO h_c^T and U dS^T, [BT, BT] dP = dO U^T and dP^T = U dO^T, [BF]
-    # sum_v h_c ⊙ dS (the queries, keys and decays are loaded after this loop, which does not read
-    # them: they would hold registers through it)
+    # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
+    # after this loop, which does not read them: they would hold registers through it)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
-    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BF], dtype=tl.float32)
-    b_dgc_acc = tl.zeros([BV, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_vt = m_v[:, None] & m_t[None, :]
-        m_vf = m_v[:, None] & m_f[None, :]
-        # [BT, BV] and [BV, BT] the output gradient and U; [BV, BF] h_c and dS transposed by the load
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
-        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0)
-        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        # [BT, BV] the output gradient; [BV, BT] U and [BV, BF] h_c transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
-        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
-        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-        b_dgc_acc += b_hct.to(tl.float32) * b_dst.to(tl.float32)
-    b_dgc += tl.sum(b_dgc_acc, 0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1124,13 +1113,104 @@ def chunked_bwd_dqk_kernel(
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
     b_dq = b_dqh * b_gam[:, None]
     b_dq = chunked_dot(b_dP * b_D, b_k_hat, DOT_PRECISION, b_dq)
+    # the decay gradient's query terms q̂ ⊙ dq̂ (float32, by token; the pair s = t apart), for step 4b's sums
+    tl.store(dgq + o_tok, tl.sum(b_qs * b_dq, 1), mask=m_t)
+    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
+    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
+
+    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+
+
+@triton.jit
+def chunked_bwd_dk_kernel(
+    # pointers
+    q, k, g, omega, do, u, h, ds, dgq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
+    # dk, the decay gradient (with step 4a's query terms)
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+
+    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T, [BF] sum_v h_c ⊙ dS (the queries,
+    # keys and decays are loaded after this loop)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BF], dtype=tl.float32)
+    # h_c ⊙ dS summed over the value blocks element by element, over the values once after the loop
+    b_dgc_v = tl.zeros([BV, BF], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_vf = m_v[:, None] & m_f[None, :]
+        # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS and h_c transposed by the load
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dgc_v += b_hct.to(tl.float32) * b_dst.to(tl.float32)
+    b_dgc += tl.sum(b_dgc_v, 0)
+    # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
+    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
+    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q_phi = b_q
+    b_q_hat = b_q_phi
+    b_qs = b_q_hat * scale
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k_phi = b_k
+    b_k_hat = b_k_phi
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]
+    b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+    b_Dt = tl.exp(tl.where(m_strict_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(b_dPt * b_Dt, b_qs, DOT_PRECISION, b_dk)
     b_dki = b_uds * b_gam_rest[:, None]
     # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
-    # q̂ ⊙ dq̂ - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_dgs = tl.sum(b_qs * b_dq - b_k_hat * b_dk, 1).to(tl.float64)
+    # q̂ ⊙ dq̂ (step 4a's) - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
+    b_dgs = tl.load(dgq + o_tok, mask=m_t, other=0.0).to(tl.float64) - tl.sum(b_k_hat * b_dk, 1).to(tl.float64)
     b_dgi = tl.sum(b_k_hat * b_dki, 1).to(tl.float64)
     b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(tl.float64)
     tl.store(dg + o_tok, b_dg.to(dg.dtype.element_ty), mask=m_t)
@@ -1138,10 +1218,6 @@ def chunked_bwd_dqk_kernel(
     b_dk = b_dk + b_dki + b_dd[:, None] * b_qs
 
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
-    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
-
-    tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
 def chunked_bwd_states_dtype(dtype):
@@ -1197,12 +1273,16 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
     )
-    # step 4: dq, dk, the decay gradient
+    # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty_like(g)
-    chunked_bwd_dqk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, u, st.h, ds, dq, dk, dg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
-        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+    dgq, dg = torch.empty(g.shape, **f32), torch.empty_like(g)
+    chunked_bwd_dq_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, u, st.h, dq, dgq, **chunks, T=T, H=H, K=K, V=V, F=F,
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+    )
+    chunked_bwd_dk_kernel[(st.n_slots, H)](
+        q, k, g, omega, do, u, st.h, ds, dgq, dk, dg, **chunks, T=T, H=H, K=K, V=V, F=F,
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
     return dq, dk, dv, dg, None, None, dh0, None
 
