@@ -70,7 +70,8 @@ def main() -> None:
                 k_n = torch.nn.functional.normalize(x["k"].float(), dim=-1).to(torch.bfloat16)
 
                 def fla_step():
-                    return fused_recurrent_gated_delta_rule(q_n, k_n, x["v"], x["g"], x["beta"], scale=K ** -0.5,
+                    # (keywords: its fifth positional parameter is a per-key decay gk, not beta)
+                    return fused_recurrent_gated_delta_rule(q_n, k_n, x["v"], g=x["g"], beta=x["beta"], scale=K ** -0.5,
                                                             initial_state=start, output_final_state=True)
 
                 t_fla = us(fla_step)
