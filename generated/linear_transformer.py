@@ -616,7 +616,10 @@ def chunked_states_kernel(
         b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
-        b_z = b_z + tl.sum(b_kt_rest.to(tl.float32), 1)
+        # (the sum of a select, not of the loaded tile: Triton 3.6's thread-locality pass turns a loop-
+        # carried sum of a load into per-thread partials merged after the loop, which the store of z
+        # above would read; for fp32 inputs at 16 feature lanes it fired and failed to compile)
+        b_z = b_z + tl.sum(tl.where(m_t[None, :], b_kt_rest.to(tl.float32), 0.0), 1)
 
     if STORE_HT:
         tl.store(ht + o_state, b_h, mask=m_state)

@@ -89,3 +89,28 @@ def test_softmax_fewer_queries_than_keys(name, tq):
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.bfloat16, with_grads=False, device="cuda")
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
+
+
+# The sum normalizer's column z is a sum carried across the state pass's loop (and the
+# bidirectional pass's) and stored inside it. Triton 3.6's thread-locality pass rewrites a
+# loop-carried sum of a loaded tile, started from a constant (no initial state), into per-thread
+# partials merged after the loop: the stores inside the loop would read the unchanged start, and
+# where the loop's result is unused (no final state) the pass asserts. fp32 inputs at 16 feature
+# lanes, batch 32 (examples/hybrid_lm.py's training on CUDA failed to compile there); several
+# chunks, so that a chunk-start z other than the first is read.
+@pytest.mark.parametrize("name", ["linear_transformer", "performer", "linear_bidirectional"])
+@pytest.mark.parametrize("d", [16, 32])
+@pytest.mark.parametrize("final", [False, True], ids=["no_final_state", "final_state"])
+def test_normalizer_small_heads_fp32(name, d, final):
+    op = attngen.load(SHIPPED[name])
+    inputs = random_inputs(op.spec, Shape(batch=32, q_len=200, heads=2, head_dim=d, value_dim=d), seed=d)
+    inputs.pop("initial_state", None)
+    ref_o, ref_s = reference(op.spec, **inputs, output_final_state=True)
+    low = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    lp_o, lp_s = reference(op.spec, **low, output_final_state=True, dtype=torch.float32)
+    o, s = op(**{n: t.cuda() for n, t in low.items()}, output_final_state=final)
+    err, tol = rel_error(o, ref_o), tolerance(torch.float32, rel_error(lp_o, ref_o))
+    assert err <= tol, f"o: rel err {err:.2e} > tol {tol:.2e}"
+    if final:
+        err, tol = rel_error(s, ref_s), tolerance(torch.float32, rel_error(lp_s, ref_s))
+        assert err <= tol, f"final state: rel err {err:.2e} > tol {tol:.2e}"
