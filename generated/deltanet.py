@@ -1255,8 +1255,6 @@ def chunked_bwd_dq_kernel(
     b_qs = b_q_hat * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
-
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k, DOT_PRECISION, b_dq)
@@ -1334,8 +1332,6 @@ def chunked_bwd_dk_kernel(
     b_qs = b_q_hat * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
-
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)

@@ -1192,7 +1192,6 @@ def chunked_bwd_dq_kernel(
     b_gam = tl.exp(b_G.to(tl.float32))
     b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
-
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
     b_dq = b_dqh * b_gam
     if BT > 16:
@@ -1327,7 +1326,6 @@ def chunked_bwd_dk_kernel(
     b_gam = tl.exp(b_G.to(tl.float32))
     b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
-
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     if BT > 16:

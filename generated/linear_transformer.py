@@ -1158,8 +1158,6 @@ def chunked_bwd_dq_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_k), 0.0)
     b_k_hat = b_k_phi
-
-
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k_hat, DOT_PRECISION, b_dq)
@@ -1240,8 +1238,6 @@ def chunked_bwd_dk_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_k), 0.0)
     b_k_hat = b_k_phi
-
-
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)

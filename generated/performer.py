@@ -1243,8 +1243,6 @@ def chunked_bwd_dq_kernel(
     b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, False)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
     b_k_hat = b_k_phi
-
-
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k_hat, DOT_PRECISION, b_dq)
@@ -1336,8 +1334,6 @@ def chunked_bwd_dk_kernel(
     b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, False)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
     b_k_hat = b_k_phi
-
-
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)
