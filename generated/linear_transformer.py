@@ -617,8 +617,10 @@ def chunked_states_kernel(
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
         # (the sum of a select, not of the loaded tile: Triton 3.6's thread-locality pass turns a loop-
-        # carried sum of a load into per-thread partials merged after the loop, which the store of z
-        # above would read; for fp32 inputs at 16 feature lanes it fired and failed to compile)
+        # carried sum of a load, started from zeros, into per-thread partials merged after the loop,
+        # which the store of z above does not see: for fp32 inputs at 16 and 32 feature lanes without
+        # an initial state, wrong outputs, or a compile failure without a final state; H200 tests/gpu
+        # test_normalizer_small_heads_fp32)
         b_z = b_z + tl.sum(tl.where(m_t[None, :], b_kt_rest.to(tl.float32), 0.0), 1)
 
     if STORE_HT:

@@ -542,8 +542,7 @@ def bidirectional_fwd_kernel(
         # [BT, BV]
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_h += tl.dot(b_kt, b_v, input_precision="ieee")
-        # (a select, not the loaded tile: see linear_chunked's state pass on Triton 3.6's thread-locality pass)
-        b_z += tl.sum(tl.where(m_t[None, :], b_kt, 0.0), 1)
+        b_z += tl.sum(b_kt, 1)
 
     # pass 2: o = q̂ S over the sequence
     # loaded only now: one copy of the random features in flight at a time (shared memory)
