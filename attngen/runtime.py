@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import algebra, codegen, forms, planner, serving, tuning
+from . import algebra, codegen, compiling, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .signature import LINEAR_CACHED, LINEAR_INPUTS, LINEAR_OP, SOFTMAX_INPUTS, SOFTMAX_OP
 from .spec import Spec, load_spec
@@ -315,14 +315,27 @@ class Op:
             self._kernels = kernels_for(self)
         module = self._kernels
         form, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
+        if self.spec.is_linear:
+            omega = self.features(call.head_dim, q.device, torch.float32)
+            args = LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=initial_state,
+                                  cu_seqlens=cu_seqlens, scale=call.scale, form=form, launch=launch,
+                                  output_final_state=bool(output_final_state))
+        else:
+            form = "parallel"
+            args = SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=cu_seqlens, scale=call.scale,
+                                   max_len=call.max_len, launch=launch)
+        if compiling.applies(q.device):
+            # the first call of its kind compiles the forward's and backward's kernels side by side
+            backward = torch.is_grad_enabled() and form in module.BACKWARD_FORMS and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state), *(
+                (tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a is None
+                for a in args))
+            compiling.first_call(kind, lambda: compiling.dry_run(module, args, backward))
         if not self.spec.is_linear:
-            o, lse = module.op(*SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=cu_seqlens, scale=call.scale,
-                                                max_len=call.max_len, launch=launch))
+            o, lse = module.op(*args)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
-        omega = self.features(call.head_dim, q.device, torch.float32)
-        o, ht = module.op(*LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=initial_state,
-                                          cu_seqlens=cu_seqlens, scale=call.scale, form=form, launch=launch,
-                                          output_final_state=bool(output_final_state)))
+        o, ht = module.op(*args)
         return o, (ht if output_final_state else None)
 
 
@@ -416,10 +429,12 @@ def kernels_for(op: Op):
 
 
 @lru_cache(maxsize=128)
-def _load_cached(spec: Spec) -> Op:
+def _load_cached(spec: Spec, kernels_possible: bool) -> Op:
     return Op(spec)
 
 
 def load(spec: str | Path | Mapping[str, Any] | Spec) -> Op:
-    """A spec file, dict or Spec -> its op (cached per spec)."""
-    return _load_cached(load_spec(spec))
+    """A spec file, dict or Spec -> its op (cached per spec, and per whether the kernels can run:
+    an op made where they could not, then called under ATTNGEN_BACKEND=triton inside torch.compile,
+    would import them while traced, which torch.compile cannot do)."""
+    return _load_cached(load_spec(spec), _kernels_possible())

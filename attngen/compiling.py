@@ -1,0 +1,119 @@
+"""A call's kernels compiled side by side before it first runs.
+
+A spec's forward and backward launch some ten Triton kernels, and Triton compiles each when it is
+first launched, one after the other (about a second each). The first call of a new kind (shapes,
+dtypes, form, launch) therefore runs once with every launch turned into a compilation only,
+submitted to a pool of threads (Triton's AsyncCompileMode: its compilation passes and ptxas run
+outside the GIL), which also builds each kernel's C launcher; then it runs for real on the
+compiled kernels. A later call of that kind skips
+the pass; one whose kernels are all compiled costs its host time only.
+
+ATTNGEN_COMPILE_THREADS: threads of the pool (default: the CPU count, at most 16); 1 turns the
+pass off (each kernel then compiles when it is first launched, as in plain Triton).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Hashable
+
+import torch
+
+_COMPILE_ONLY = contextvars.ContextVar("attngen_compile_only", default=False)
+_SEEN: set = set()
+
+
+def threads() -> int:
+    """The pool's threads (ATTNGEN_COMPILE_THREADS, default the CPU count up to 16)."""
+    value = os.environ.get("ATTNGEN_COMPILE_THREADS")
+    if value is None:
+        return min(os.cpu_count() or 1, 16)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"ATTNGEN_COMPILE_THREADS: value {value!r} is not allowed; allowed: a positive integer "
+                         "(1: no parallel compilation)")
+    return int(value)
+
+
+@functools.cache
+def _install() -> None:
+    """Wrap Triton's JITFunction.run once: inside compile_only() a launch is a warm-up (compiled,
+    not run); everywhere else it is unchanged."""
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    @functools.wraps(run)
+    def launch_or_compile(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=warmup or _COMPILE_ONLY.get(), **kwargs)
+
+    JITFunction.run = launch_or_compile
+
+
+class _Pool(ThreadPoolExecutor):
+    """The compilation pool: each job also builds its kernel's launcher."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(_with_launcher, fn, *args, **kwargs)
+
+
+def _with_launcher(compile_fn, *args, **kwargs):
+    """compile_fn's kernel, its C launcher built: Triton builds a kernel's launcher (a C compiler
+    run, up to a second, kept in its cache) when the kernel is first launched, on the launching
+    thread; built here, the launch finds it in the cache."""
+    kernel = compile_fn(*args, **kwargs)
+    try:
+        from triton.runtime import driver
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # noqa: BLE001 -- not built here, the first launch builds it (and reports any error)
+        pass
+    return kernel
+
+
+@contextlib.contextmanager
+def compile_only(workers: int):
+    """Inside: this thread's Triton launches compile their kernels on `workers` threads and run
+    nothing (outputs stay as allocated); on leaving, every compilation has finished."""
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    _install()
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with _Pool(workers, thread_name_prefix="attngen-compile") as pool, AsyncCompileMode(pool):
+            yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def applies(device: torch.device) -> bool:
+    """Whether calls on `device` compile their kernels (CUDA, not Triton's interpreter, not while
+    torch.compile traces)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and not torch.compiler.is_compiling())
+
+
+def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
+    """Before the first call of `kind`: dry_run() (the call's launches, forward and backward) with
+    compilation only, on the pool. Nothing when the kind was seen or the pool has one thread."""
+    if kind in _SEEN:
+        return
+    workers = threads()
+    if workers > 1:
+        with compile_only(workers):
+            dry_run()
+    _SEEN.add(kind)
+
+
+def dry_run(module, args: tuple, backward: bool) -> None:
+    """A generated module's op(*args) and, with `backward`, its backward as autograd would call it
+    (the gradient of o, and zeros for the other outputs): inside compile_only(), the launches of a
+    call's forward and backward. The backward is called here, not through autograd, whose engine
+    runs a CUDA backward on a thread of its own, outside compile_only()."""
+    with torch.no_grad():
+        outs = module.op(*args)
+        if backward:
+            n = len(module.SAVED_INPUTS)
+            grads = (torch.empty_like(outs[0]), *map(torch.zeros_like, outs[1:]))
+            module.backward(*args[:n], *args[n:], *outs, *grads)

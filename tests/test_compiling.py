@@ -1,0 +1,65 @@
+"""attngen/compiling.py on the CPU: the pool's size from ATTNGEN_COMPILE_THREADS, and which calls
+take the dry run (the first of each kind, where the pool has more than one thread, on CUDA and
+not under the interpreter). The compilation itself is a GPU test (tests/gpu/test_gpu_compile.py)."""
+import pytest
+import torch
+
+from attngen import compiling
+
+
+@pytest.fixture(autouse=True)
+def fresh_kinds(monkeypatch):
+    monkeypatch.setattr(compiling, "_SEEN", set())
+
+
+@pytest.mark.parametrize("value,expected", [("1", 1), ("6", 6)])
+def test_threads_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", value)
+    assert compiling.threads() == expected
+
+
+def test_threads_default(monkeypatch):
+    monkeypatch.delenv("ATTNGEN_COMPILE_THREADS", raising=False)
+    assert 1 <= compiling.threads() <= 16
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", ""])
+def test_bad_threads_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", value)
+    with pytest.raises(ValueError, match=r"ATTNGEN_COMPILE_THREADS: value .* allowed: a positive integer"):
+        compiling.threads()
+
+
+def test_first_call_of_each_kind_only(monkeypatch):
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", "2")
+    ran, modes = [], []
+    monkeypatch.setattr(compiling, "compile_only", lambda workers: _Recorder(modes, workers))
+    for kind in ("a", "b", "a", "b", "c"):
+        compiling.first_call(kind, lambda kind=kind: ran.append(kind))
+    assert ran == ["a", "b", "c"] and modes == [2, 2, 2]
+
+
+def test_one_thread_runs_no_dry_run(monkeypatch):
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", "1")
+    ran = []
+    compiling.first_call("a", lambda: ran.append("a"))
+    assert ran == []
+
+
+def test_applies_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not compiling.applies(torch.device("cpu"))
+    assert compiling.applies(torch.device("cuda"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not compiling.applies(torch.device("cuda"))
+
+
+class _Recorder:
+    def __init__(self, modes, workers):
+        modes.append(workers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
