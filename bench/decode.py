@@ -5,8 +5,10 @@ graph, when fla is installed), outputs compared.
 
     python bench/decode.py [--batch 1,64,256] [--slots 512]
 
-Per row: microseconds per step (median of do_bench), and the effective state bandwidth (the
-state read and written once per step) of the graph replay.
+Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
+and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
+launch cost its layers share); the effective state bandwidth (the state read and written once per
+step) of the graph of one step. The first line gives the floor: a graph of one tiny kernel.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
 
 H, K, V = 16, 128, 128
+STEPS = 16
 
 
 def graphed(fn):
@@ -48,7 +51,10 @@ def main() -> None:
     except ImportError as e:
         fused_recurrent_gated_delta_rule = None
         print(f"fla unavailable ({e}): attngen alone")
-    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {'TB/s':>6} {'fla eager':>10} {'fla graph':>10} {'rel diff':>9}")
+    tiny = torch.zeros(16, device="cuda")
+    print(f"floor: a graph of one tiny kernel (add_ on 16 floats) {us(graphed(lambda: tiny.add_(1))):.1f} us")
+    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6} {'fla eager':>10} {'fla graph':>10} "
+          f"{f'x{STEPS} us':>7} {'rel diff':>9}")
     torch.manual_seed(0)
     for batch in map(int, args.batch.split(",")):
         x = dict(q=torch.randn(batch, 1, H, K), k=torch.randn(batch, 1, H, K), v=torch.randn(batch, 1, H, V),
@@ -62,7 +68,9 @@ def main() -> None:
             step = op.prepare_decode(cache, batch, dtype=torch.bfloat16)
             t_eager = us(lambda: step(**x, slots=slots))
             t_graph = us(graphed(lambda: step(**x, slots=slots)))
-            row = f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {2 * start.numel() * 4 / t_graph / 1e6:>6.2f}"
+            t_steps = us(graphed(lambda: [step(**x, slots=slots) for _ in range(STEPS)])) / STEPS
+            row = (f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {t_steps:>7.1f} "
+                   f"{2 * start.numel() * 4 / t_graph / 1e6:>6.2f}")
             if fused_recurrent_gated_delta_rule is not None:
                 # fla's decode as served before the cache: the batch's states in, new final states
                 # out (its keys and queries l2-normalized beforehand, as attngen's spec does)
@@ -76,11 +84,12 @@ def main() -> None:
 
                 t_fla = us(fla_step)
                 t_fla_graph = us(graphed(fla_step))
+                t_fla_steps = us(graphed(lambda: [fla_step() for _ in range(STEPS)])) / STEPS
                 cache.state[slots.long()] = start
                 o = step(**x, slots=slots)
                 o_fla = fla_step()[0]
                 diff = float((o.float() - o_fla.float()).norm() / o_fla.float().norm())
-                row += f" {t_fla:>10.1f} {t_fla_graph:>10.1f} {diff:>9.1e}"
+                row += f" {t_fla:>10.1f} {t_fla_graph:>10.1f} {t_fla_steps:>7.1f} {diff:>9.1e}"
         print(row)
 
 

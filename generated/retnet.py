@@ -141,12 +141,18 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     prepared decode step calls only run)."""
     VS = V
     BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
+    # value lanes per program: the widest block (up to 64) that still gives some 1024 programs, so
+    # that a few sequences (decode at batch 1: 16 heads) spread over the SMs in narrow blocks and
+    # many fill them with wide ones (H200, bench/decode.py: batch 1 best at 8 lanes, 64 and 256 at
+    # 64 lanes and 4 warps, 3.7 TB/s against 3.2 at 32); a warp per 16 lanes
+    BV = min(triton.next_power_of_2(V), 64)
+    while BV > 8 and N * H * triton.cdiv(V, BV) < 1024:
+        BV //= 2
     grid = (N * H, triton.cdiv(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
-                QK_GROUP=qk_group)
+                QK_GROUP=qk_group, num_warps=max(1, min(BV // 16, 4)))
 
     def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
         recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
