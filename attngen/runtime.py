@@ -6,7 +6,7 @@ import itertools
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Hashable, Mapping
 
 import torch
 
@@ -328,15 +328,27 @@ class Op:
             # the first call of its kind compiles the forward's and backward's kernels side by side
             backward = torch.is_grad_enabled() and form in module.BACKWARD_FORMS and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-            kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state), *(
-                (tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor) else a is None
-                for a in args))
+            names = (LINEAR_OP if self.spec.is_linear else SOFTMAX_OP).names
+            kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state),
+                    *(_compile_kind(n, a) for n, a in zip(names, args)))
             compiling.first_call(kind, lambda: compiling.dry_run(module, args, backward))
         if not self.spec.is_linear:
             o, lse = module.op(*args)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
         o, ht = module.op(*args)
         return o, (ht if output_final_state else None)
+
+
+def _compile_kind(name: str, value) -> Hashable:
+    """What of an op argument selects the compiled kernels, for compiling.first_call: a tensor's
+    dtype, whether it needs a gradient and its head and feature sizes, not its batch, token or
+    sequence counts (the kernels take those as runtime integers: a training run of varying lengths
+    takes the dry run once); of other arguments, whether they are None."""
+    if not isinstance(value, torch.Tensor):
+        return value is None
+    sizes = {"cu_seqlens": (), "initial_state": value.shape[1:]}.get(
+        name, value.shape[2:] if name in ("q", "k", "v", "g", "beta") else value.shape)
+    return value.dtype, value.requires_grad, tuple(sizes)
 
 
 def check_call(op: Op, inputs: Mapping[str, Any]) -> Call:

@@ -63,3 +63,16 @@ class _Recorder:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_kind_leaves_out_batch_tokens_and_sequences():
+    from attngen.runtime import _compile_kind
+
+    def kinds(B, T, H, K, N):
+        tensors = dict(q=torch.empty(B, T, H, K), g=torch.empty(B, T, H), initial_state=torch.empty(N, H, K, K),
+                       cu_seqlens=torch.empty(N + 1, dtype=torch.int32), omega=torch.empty(2 * K, K))
+        return [_compile_kind(n, t) for n, t in tensors.items()] + [_compile_kind("beta", None)]
+
+    assert kinds(2, 100, 4, 64, 2) == kinds(8, 4096, 4, 64, 8)
+    assert kinds(2, 100, 4, 64, 2) != kinds(2, 100, 8, 64, 2)
+    assert kinds(2, 100, 4, 64, 2) != kinds(2, 100, 4, 128, 2)
