@@ -1,0 +1,136 @@
+"""Try chunked launches the planner holds back (GPU): per spec and variant, the oracle check of
+tests/gpu (outputs and every gradient at B1 T1000 H2 D128 against the float64 interpreter), the
+agreement with the first variant at the timed shape, and the forward + backward time and kernels.
+
+    python bench/probe_launch.py --specs gated_deltanet,mamba2 --variants "bwd_chunk=32;bwd_chunk=64" \
+        [--B 4 --T 8192 --H 16 --D 128] [--dtype bfloat16]
+
+A variant is a list of ChunkedLaunch knobs set after the planner fitted its launch (its clamps
+bypassed, the stages refitted); the first variant is the reference of the agreement column. This is
+how a clamp of planner.fit_chunked is tested before it is lifted: a launch that fails here stays held.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attngen  # noqa: E402
+from attngen import bench, planner, tuning  # noqa: E402
+from attngen.testing import Shape, bench_inputs, compare, random_inputs, rel_error  # noqa: E402
+
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+_fit = planner.fit_chunked
+OVERRIDE: dict[str, int] = {}
+
+
+def _fit_with_override(spec, call, dtype, launch, chunk=None):
+    launch = _fit(spec, call, dtype, launch, chunk)
+    if not OVERRIDE:
+        return launch
+    launch = dataclasses.replace(launch, **OVERRIDE)
+    BF = planner.lanes(call.feature_dim)
+    stages = lambda c: planner.pipeline_stages(planner.chunked_stage_bytes(spec, c, BF, launch.states_BV, dtype))  # noqa: E731
+    ds = planner.pipeline_stages(planner.bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.BV, dtype))
+    return dataclasses.replace(launch, stages=min(launch.stages, stages(launch.chunk)),
+                               bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
+                               bwd_ds_stages=min(launch.bwd_ds_stages, ds))
+
+
+planner.fit_chunked = _fit_with_override
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    knobs = {f.name for f in dataclasses.fields(planner.ChunkedLaunch)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in knobs:
+            raise SystemExit(f"--variants: {name!r} is no ChunkedLaunch knob; knobs: {', '.join(sorted(knobs))}")
+        out[name] = int(value)
+    return out
+
+
+def grads(op, inputs):
+    o, _ = op(**inputs)
+    gen = torch.Generator(device=o.device).manual_seed(3)
+    gout = torch.randn(o.shape, device=o.device, generator=gen).to(o.dtype)
+    names = [n for n, t in inputs.items() if t.requires_grad]
+    gs = torch.autograd.grad(o, [inputs[n] for n in names], gout)
+    return {"o": o.detach(), **{"d" + n: g for n, g in zip(names, gs)}}
+
+
+def isolated(args) -> int:
+    table = []
+    for name in args.specs.split(","):
+        for variant in args.variants.split(";"):
+            cmd = [sys.executable, __file__, "--specs", name, "--variants", variant, "--B", str(args.B), "--T", str(args.T),
+                   "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype] + (["--no-oracle"] if args.no_oracle else [])
+            out = subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()
+            line = out[-1] if out and out[-1].startswith(name) else f"{name:<20s} {variant:<34s} no result: {(out or ['?'])[-1][:200]}"
+            print(line, flush=True)
+            table.append(line)
+    print("\n".join(["", "spec / variant / fwd+bwd ms / worst oracle error over tolerance"] + table))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--specs", required=True)
+    p.add_argument("--variants", required=True, help="';'-separated variants, each 'knob=value,...' ('' = the planner's)")
+    p.add_argument("--B", type=int, default=4)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--D", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
+                   "address leaves the process's CUDA context unusable); no agreement column then")
+    args = p.parse_args()
+    if args.isolate:
+        return isolated(args)
+    dtype = getattr(torch, args.dtype)
+    variants = [parse_variant(v) for v in args.variants.split(";")]
+    table = []
+    for name in args.specs.split(","):
+        op = attngen.load(SPECS / f"{name}.yaml")
+        shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
+        big = bench_inputs(op.spec, shape, dtype, "cuda", requires_grad=True)
+        small = random_inputs(op.spec, Shape(batch=1, q_len=1000, heads=2, head_dim=args.D, value_dim=args.D), seed=7)
+        ref = None
+        for variant in variants:
+            OVERRIDE.clear()
+            OVERRIDE.update(variant)
+            tuning._remembered.cache_clear()
+            label = ",".join(f"{k}={v}" for k, v in variant.items()) or "planner"
+            try:
+                launch = tuning.choose(op.spec, "chunked", attngen.runtime.check_call(op, big), dtype, "cuda").launch
+                worst = "-"
+                if not args.no_oracle:
+                    rows = compare(op.spec, lambda **kw: op(**kw), small, dtype, with_grads=True, device="cuda")
+                    worst = max(rows, key=lambda r: r[1] / r[2])
+                    worst = f"{worst[0]} {worst[1] / worst[2]:.2f}"
+                got = grads(op, big)
+                agree = "-" if ref is None else f"{max(rel_error(got[n].float(), ref[n].float()) for n in ref):.1e}"
+                ref = ref or got
+                run = bench.step(lambda: op(**big)[0], True, big)
+                ms = bench.do_bench_timer(True)(run)
+                kernels = ", ".join(f"{k.replace('chunked_', '').replace('_kernel', '')} {us:.0f}"
+                                    for k, us in bench.profile(run)[:6])
+                line = f"{name:<20s} {label:<34s} {ms:8.3f} ms  oracle(err/tol) {worst:<14s} vs first {agree:<8s} | {kernels}"
+                print(f"   launch {launch}", flush=True)
+            except Exception as e:  # noqa: BLE001 -- a failing variant is a row saying why
+                line = f"{name:<20s} {label:<34s} failed: {type(e).__name__}: {str(e)[:200]}"
+            print(line, flush=True)
+            table.append(line)
+    print("\n".join(["", "spec / variant / fwd+bwd ms / worst oracle error over tolerance / largest rel diff from the first variant"] + table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
