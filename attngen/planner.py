@@ -426,21 +426,34 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
             # 16-bit dots are those Triton 3.6 miscompiled at four (and at four it took 1126 us
             # against 679).
             prepare_warps = 2
+    # The backward: at most 32-token chunks whatever the forward's (it recomputes its states), and
+    # four warps. kda fp32 at K = V = 128:
+    # - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran
+    #   out of local memory for them;
+    # - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
+    # - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots
+    #   have 32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
+    bwd_chunk, bwd_stages = 32, 3
+    if (dtype == torch.bfloat16 and spec.update == "additive" and spec.decay in ("scalar", "constant")
+            and spec.feature_map == "identity" and spec.qk_norm == "none" and spec.normalize == "none" and BF <= 128
+            and lanes(call.value_dim) <= 128):
+        # Scalar and constant decay (Mamba2, RetNet): the additive rules' backward in bf16 at four
+        # warps, 64-token chunks and no software pipelining of its two state passes: B4 T8192 H16
+        # K = V = 128 fwd+bwd on the H200, mamba2 3.563 -> 2.723 ms, retnet 3.499 -> 2.681 (half the
+        # chunk-start states and state gradients to write and read, half the sequential steps;
+        # bench/probe_launch.py, BENCHMARKS.md). Not where it measured slower: vector decay (gla 8.61 ->
+        # 16.42, its dq/dk steps), feature maps and the normalizer (linear_transformer 7.39 -> 7.92,
+        # performer 55.8). The delta rules' backward at 64 tokens and four warps gave NaN gradients
+        # and illegal addresses (Triton 3.6's 64-row wgmma miscompile), at eight warps right but slower.
+        bwd_chunk, bwd_stages = 64, 1
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
         maxnreg=MAXNREG,
-        # The backward: at most 32-token chunks whatever the forward's (it recomputes its states),
-        # and four warps. kda fp32 at K = V = 128:
-        # - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran
-        #   out of local memory for them;
-        # - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
-        # - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots
-        #   have 32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
-        bwd_chunk=32,
+        bwd_chunk=bwd_chunk,
         bwd_warps=4,
-        bwd_stages=3,
-        bwd_ds_stages=3,
+        bwd_stages=bwd_stages,
+        bwd_ds_stages=bwd_stages,
     ))
 
 
@@ -460,12 +473,14 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if dtype == torch.bfloat16:
         # Triton 3.6 miscompiled the 64-row wgmma dots of bf16 operands on the H200 at K = V = 128
         # (wrong outputs, illegal addresses; BENCHMARKS.md) in the UT step of scalar-decay and plain
-        # delta rules and in the backward: at four warps or more (a warpgroup: the dots go to
-        # wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The forward's
-        # other steps were verified at 64-token chunks and four warps.
+        # delta rules and in the delta rules' backward: at four warps or more (a warpgroup: the dots
+        # go to wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The
+        # forward's other steps and the additive rules' backward were verified at 64-token chunks
+        # and four warps.
         if spec.update == "delta" and spec.decay != "vector" and launch.prepare_warps >= 4:
             fwd_chunk = min(fwd_chunk, 32)
-        bwd_chunk = min(bwd_chunk, 32) if launch.bwd_warps >= 4 else bwd_chunk
+        if spec.update == "delta" and launch.bwd_warps >= 4:
+            bwd_chunk = min(bwd_chunk, 32)
     V = lanes(call.value_dim)
     BV, states_BV, output_BV = min(launch.BV, V), min(launch.states_BV, V), min(launch.output_BV, V)
     ds_stages = min(launch.bwd_ds_stages, pipeline_stages(bwd_states_stage_bytes(spec, bwd_chunk, BF, BV, dtype)))

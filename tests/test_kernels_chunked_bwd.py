@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import attngen
 from attngen import codegen, planner
 from attngen.reference import reference
-from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
+from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error
 
 import specs
 from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
@@ -67,6 +67,17 @@ def test_grads_match_interpreter(kernel_backward, name, dtype):
 def test_lengths_and_chunk_sizes(kernel_backward, name, T, chunk):
     check(kernel_backward, SPECS[name], Shape(batch=1, q_len=T, heads=2, head_dim=8, value_dim=6),
           chunk=chunk, seed=T)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+def test_bf16_backward_at_64_token_chunks(kernel_backward, name):
+    """bf16 Mamba2 and RetNet take a backward of 64-token chunks (planner.chunked_launch), the other
+    rules' 32: two chunks with a partial last one, two sequences."""
+    shape = Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6)
+    op = attngen.load(SPECS[name])
+    inputs = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape).items()}
+    assert planner.ChunkedLaunch(*kernel_launch(op, inputs, "chunked", 64)[1]).bwd_chunk == 64
+    check(kernel_backward, SPECS[name], shape, torch.bfloat16, chunk=64, seed=5)
 
 
 @pytest.mark.parametrize("T", [7, 63])

@@ -23,6 +23,10 @@ SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
 KDA = attngen.load_spec(SPECS / "kda.yaml")
 MAMBA2 = attngen.load_spec(SPECS / "mamba2.yaml")
+RETNET = attngen.load_spec(SPECS / "retnet.yaml")
+GLA = attngen.load_spec(SPECS / "gla.yaml")
+LINEAR_ELU_SUM = attngen.load_spec(SPECS / "linear_transformer.yaml")
+MAMBA2_L2 = attngen.load_spec({"name": "mamba2_l2", "attention": "linear", "decay": "scalar", "qk_norm": "l2"})
 FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
 
 
@@ -65,7 +69,7 @@ def test_defaults_are_the_measured_launches():
     """The defaults that moved into the planner (BENCHMARKS.md): bf16 chunked at K = V = 128 takes
     64-token chunks; a scalar-decay delta rule's UT step at two warps over 32-lane value blocks, the
     state pass at four warps over 64 lanes, the output pass at four over 128; three stages, 255
-    registers, a backward at 32-token chunks and four warps; fp32 with 256 feature lanes halves the forward's chunk; the
+    registers, a backward at 32-token chunks and four warps (64 for bf16 Mamba2 and RetNet); fp32 with 256 feature lanes halves the forward's chunk; the
     softmax bf16 D128 forward 64 x 64 tiles at four warps and three stages, its backward dq
     128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
     call = linear_call()
@@ -74,9 +78,17 @@ def test_defaults_are_the_measured_launches():
         maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=3)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
-    # the additive rules' state-gradient pass is pipelined as the delta rule's: three stages of its
-    # keys, queries, float32 dU and do
-    assert default(call, spec=MAMBA2).bwd_ds_stages == 3
+    # bf16 scalar and constant decay of the additive rule with no feature map, l2 norm or normalizer
+    # (Mamba2, RetNet): a backward of 64-token chunks, its two state passes unpipelined
+    fast = default(call, spec=MAMBA2)
+    assert (fast.bwd_chunk, fast.bwd_stages, fast.bwd_ds_stages) == (64, 1, 1)
+    assert default(call, spec=RETNET).bwd_chunk == 64
+    # not where 64 measured slower (vector decay, feature maps, the normalizer), nor in fp32 or at
+    # 256 lanes: 32-token chunks, three stages of the state-gradient pass's keys, queries, dU and do
+    for spec in (GLA, LINEAR_ELU_SUM, MAMBA2_L2):
+        assert (default(call, spec=spec).bwd_chunk, default(call, spec=spec).bwd_ds_stages) == (32, 3)
+    assert default(call, torch.float32, spec=MAMBA2).bwd_chunk == 32
+    assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, states_BV=32, states_warps=4, stages=2, output_BV=32, output_warps=4,
         maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=2)
