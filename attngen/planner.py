@@ -426,8 +426,8 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
             # 16-bit dots are those Triton 3.6 miscompiled at four (and at four it took 1126 us
             # against 679).
             prepare_warps = 2
-    # The backward: at most 32-token chunks whatever the forward's (it recomputes its states), and
-    # four warps. kda fp32 at K = V = 128:
+    # The backward (it recomputes its states at a chunk of its own): 32-token chunks, four warps and
+    # three stages but where the case below measured otherwise. kda fp32 at K = V = 128:
     # - two warps at 64-token chunks spilled 51,924 B even at 255 registers, and the GPU ran
     #   out of local memory for them;
     # - four warps at 64-token chunks asked for 245,760 B of shared memory (the H200 has 232,448);
