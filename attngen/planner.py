@@ -482,13 +482,20 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         if spec.update == "delta" and launch.bwd_warps >= 4:
             bwd_chunk = min(bwd_chunk, 32)
     V = lanes(call.value_dim)
-    BV, states_BV, output_BV = min(launch.BV, V), min(launch.states_BV, V), min(launch.output_BV, V)
-    ds_stages = min(launch.bwd_ds_stages, pipeline_stages(bwd_states_stage_bytes(spec, bwd_chunk, BF, BV, dtype)))
+    return fit_stages(spec, call, dtype, dataclasses.replace(
+        launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
+        output_BV=min(launch.output_BV, V), bwd_chunk=bwd_chunk))
+
+
+def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch) -> ChunkedLaunch:
+    """A launch's pipeline stages held to the shared memory its state passes' tiles take at its
+    chunks and value blocks (pipeline_stages)."""
+    BF = lanes(call.feature_dim)
+    stages = lambda chunk: pipeline_stages(chunked_stage_bytes(spec, chunk, BF, launch.states_BV, dtype))  # noqa: E731
+    ds_stages = pipeline_stages(bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.BV, dtype))
     return dataclasses.replace(
-        launch, chunk=fwd_chunk, BV=BV, states_BV=states_BV, output_BV=output_BV, bwd_chunk=bwd_chunk,
-        stages=min(launch.stages, pipeline_stages(chunked_stage_bytes(spec, fwd_chunk, BF, states_BV, dtype))),
-        bwd_stages=min(launch.bwd_stages, pipeline_stages(chunked_stage_bytes(spec, bwd_chunk, BF, states_BV, dtype))),
-        bwd_ds_stages=ds_stages)
+        launch, stages=min(launch.stages, stages(launch.chunk)), bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
+        bwd_ds_stages=min(launch.bwd_ds_stages, ds_stages))
 
 
 def _softmax_lens(call: Call) -> tuple[int, int]:

@@ -33,13 +33,7 @@ def _fit_with_override(spec, call, dtype, launch, chunk=None):
     launch = _fit(spec, call, dtype, launch, chunk)
     if not OVERRIDE:
         return launch
-    launch = dataclasses.replace(launch, **OVERRIDE)
-    BF = planner.lanes(call.feature_dim)
-    stages = lambda c: planner.pipeline_stages(planner.chunked_stage_bytes(spec, c, BF, launch.states_BV, dtype))  # noqa: E731
-    ds = planner.pipeline_stages(planner.bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.BV, dtype))
-    return dataclasses.replace(launch, stages=min(launch.stages, stages(launch.chunk)),
-                               bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
-                               bwd_ds_stages=min(launch.bwd_ds_stages, ds))
+    return planner.fit_stages(spec, call, dtype, dataclasses.replace(launch, **OVERRIDE))
 
 
 planner.fit_chunked = _fit_with_override
@@ -92,10 +86,10 @@ def main() -> int:
     p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
                    "address leaves the process's CUDA context unusable); no agreement column then")
     args = p.parse_args()
+    variants = [parse_variant(v) for v in args.variants.split(";")]
     if args.isolate:
         return isolated(args)
     dtype = getattr(torch, args.dtype)
-    variants = [parse_variant(v) for v in args.variants.split(";")]
     table = []
     for name in args.specs.split(","):
         op = attngen.load(SPECS / f"{name}.yaml")

@@ -85,8 +85,8 @@ def test_defaults_are_the_measured_launches():
     assert default(call, spec=RETNET).bwd_chunk == 64
     # not where 64 measured slower (vector decay, feature maps, the normalizer), nor in fp32 or at
     # 256 lanes: 32-token chunks, three stages of the state-gradient pass's keys, queries, dU and do
-    for spec in (GLA, LINEAR_ELU_SUM, MAMBA2_L2):
-        assert (default(call, spec=spec).bwd_chunk, default(call, spec=spec).bwd_ds_stages) == (32, 3)
+    for held in (default(call, spec=spec) for spec in (GLA, LINEAR_ELU_SUM, MAMBA2_L2)):
+        assert (held.bwd_chunk, held.bwd_ds_stages) == (32, 3)
     assert default(call, torch.float32, spec=MAMBA2).bwd_chunk == 32
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
