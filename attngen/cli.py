@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory of the table (default: $ATTNGEN_TUNE_DIR, else $ATTNGEN_CACHE/tune; the shipped "
                         "tables are attngen/tables)")
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="seconds of search per spec and shape, after which the best launch so far stands")
+                   help="seconds of search per spec and shape, shared by its passes (forward, backward), after "
+                        "which the best launch so far stands")
     p.set_defaults(fn=cmd_tune)
 
     p = sub.add_parser("bench", help="time the kernels against the baseline of the same semantics (fla, SDPA, Flex)")

@@ -73,15 +73,18 @@ def _with_launcher(compile_fn, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def compile_only(workers: int):
+def compile_only(workers: int, ignore_errors: bool = False):
     """Inside: this thread's Triton launches compile their kernels on `workers` threads and run
-    nothing (outputs stay as allocated); on leaving, every compilation has finished."""
+    nothing (outputs stay as allocated); on leaving, every compilation has finished. ignore_errors:
+    a kernel that fails to compile is left out (its launch compiles it again and raises), else
+    leaving raises its error."""
     from triton.runtime._async_compile import AsyncCompileMode
 
     _install()
     token = _COMPILE_ONLY.set(True)
     try:
-        with _Pool(workers, thread_name_prefix="attngen-compile") as pool, AsyncCompileMode(pool):
+        with (_Pool(workers, thread_name_prefix="attngen-compile") as pool,
+              AsyncCompileMode(pool, ignore_errors=ignore_errors)):
             yield
     finally:
         _COMPILE_ONLY.reset(token)

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from . import codegen, planner
+from . import codegen, compiling, planner
 from .inputs import Call
 from .signature import LINEAR_OP, SOFTMAX_OP
 from .spec import Spec
@@ -446,18 +446,22 @@ CONTEXT_LOST = ("illegal memory access", "illegal address", "misaligned address"
 
 def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Launch],
            measure: Callable[[planner.Launch, str], float], passes: tuple[str, ...] = ("fwd", "bwd"),
-           report: Callable[[str], None] = print, rounds: int = 2, budget_s: float | None = None) -> Found:
+           report: Callable[[str], None] = print, rounds: int = 2, budget_s: float | None = None,
+           prepare: Callable[[list[planner.Launch], str], None] | None = None) -> Found:
     """The fastest launch found from `default` by coordinate descent: per pass, each of its knobs in
     turn takes each of its search values (planner knob metadata, fitted to the call) with the
     others at the best so far, for up to `rounds` rounds while one improves. measure(launch, pass)
     -> milliseconds; an exception (a launch that does not compile, runs out of shared memory or
     gives other outputs) skips that launch, reported; one that loses the CUDA context (CONTEXT_LOST)
-    stops the search with a RuntimeError. budget_s: no launch is tried after that many
-    seconds (the best so far stands; each pass's default is still timed)."""
+    stops the search with a RuntimeError. budget_s: seconds of search, shared by the passes (each
+    pass's share is what is left over the passes left); no launch is tried past a pass's share
+    (the best so far stands; each pass's default is still timed). prepare(launches, pass),
+    when given, runs before a knob's new launches are timed, with all of them (e.g. to compile
+    their kernels side by side); what it leaves undone, measure does."""
     cls = type(default)
     best, trials = default, []
     default_ms, best_ms = {}, {}
-    deadline = time.monotonic() + budget_s if budget_s is not None else math.inf
+    end = time.monotonic() + budget_s if budget_s is not None else math.inf
 
     def trial(launch: planner.Launch, pass_: str, label: str) -> float:
         try:
@@ -476,7 +480,9 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
                + (f"{t.ms:.3f} ms" if t.error is None else f"skipped, {t.error}"))
         return t.ms if t.ms is not None else math.inf
 
-    for pass_ in passes:
+    for i, pass_ in enumerate(passes):
+        now = time.monotonic()
+        deadline = now + max(0.0, end - now) / (len(passes) - i) if end < math.inf else math.inf
         names = cls.knobs(pass_)
         default_ms[pass_] = trial(default, pass_, f"{pass_} [default]")
         best_ms[pass_] = default_ms[pass_] if best == default else trial(best, pass_, f"{pass_} [best so far]")
@@ -485,9 +491,17 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         for round_ in range(1, rounds + 1):
             improved, done = False, 0
             for name in names:
-                for value in cls.__dataclass_fields__[name].metadata["search"]:
+                values = cls.__dataclass_fields__[name].metadata["search"]
+                # the knob's values with the others at the best so far: they do not depend on
+                # one another's times, so prepare() takes them all at once
+                candidates = {value: fit(dataclasses.replace(best, **{name: value})) for value in values}
+                if prepare is not None and time.monotonic() <= deadline:
+                    new = list(dict.fromkeys(c for c in candidates.values() if c not in seen))
+                    if new:
+                        prepare(new, pass_)
+                for value in values:
                     done += 1
-                    candidate = fit(dataclasses.replace(best, **{name: value}))
+                    candidate = candidates[value]
                     if candidate in seen or time.monotonic() > deadline:
                         continue
                     seen.add(candidate)
@@ -497,7 +511,7 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
             if not improved or time.monotonic() > deadline:
                 break
         if time.monotonic() > deadline:
-            report(f"  {pass_}: the budget of {budget_s:g} s is spent")
+            report(f"  {pass_}: its share of the budget of {budget_s:g} s is spent")
         report(f"  {pass_} best: {_changed(default, best)}: " +
                (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
     finite = lambda d: {p: (ms if ms < math.inf else None) for p, ms in d.items()}  # noqa: E731
@@ -545,7 +559,8 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         run = _runner(op, module, inputs, call)
         measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer)
         report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
-        found = search(default, fit, measure, passes, report, budget_s=budget_s)
+        prepare = _compiler(module, run.args) if compiling.applies(torch.device(device)) else None
+        found = search(default, fit, measure, passes, report, budget_s=budget_s, prepare=prepare)
         entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
@@ -562,8 +577,15 @@ def _measurer(run, tol: float, timer) -> Callable[[planner.Launch, str], float]:
     """measure(launch, pass) for search(): the pass's outputs checked against those of the first
     launch that ran in the pass (search() times the default first), then timed. The same kernels
     tiled otherwise differ by rounding (tol: relative); a miscompiled launch does not."""
-    from .testing import rel_error
     ref: dict[str, list] = {}
+
+    def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+        # on the tensors' device (a check per launch: a copy of every gradient to the host took
+        # seconds at the benchmark shape); inf where a has a NaN or inf
+        a, b = a.detach().float(), b.detach().float()
+        if not bool(torch.isfinite(a).all()):
+            return math.inf
+        return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
 
     def measure(launch: planner.Launch, pass_: str) -> float:
         got = run(launch, pass_)
@@ -572,6 +594,21 @@ def _measurer(run, tol: float, timer) -> Callable[[planner.Launch, str], float]:
             raise ValueError(f"outputs differ from the default launch's by {worst:.1e} (allowed {tol:.1e})")
         return timer(lambda: run(launch, pass_))
     return measure
+
+
+def _compiler(module, args: Callable[[planner.Launch], tuple]) -> Callable[[list[planner.Launch], str], None]:
+    """prepare(launches, pass) for search(): the kernels of the launches' pass (fwd: the forward's;
+    bwd: the forward's and the backward's) compiled side by side on the compilation pool, so that
+    timing them compiles nothing. A launch whose kernels fail to compile is left to the timing,
+    which reports it."""
+    def prepare(launches: list[planner.Launch], pass_: str) -> None:
+        with compiling.compile_only(compiling.threads(), ignore_errors=True):
+            for launch in launches:
+                try:
+                    compiling.dry_run(module, args(launch), backward=pass_ == "bwd")
+                except Exception:  # noqa: BLE001 -- the launch's own timing reports its error
+                    pass
+    return prepare
 
 
 def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, str], list]:
@@ -610,4 +647,5 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
             outputs[launch] = forward(launch)
         return [gr for gr in backward(launch, *outputs[launch]) if gr is not None]
 
+    run.args = args
     return run

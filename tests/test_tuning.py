@@ -366,6 +366,40 @@ def test_search_descends_knob_by_knob_and_skips_failures():
     assert len(measured) == len(set(measured)), "a launch was timed twice"
 
 
+def test_search_prepares_each_knobs_launches_together_before_timing_them():
+    """prepare() (tune's side-by-side compilation) receives a knob's untried launches at once,
+    before any of them is timed, each launch once; the search finds what it finds without it."""
+    call = linear_call()
+    start = default(call)
+    fit = lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch)  # noqa: E731
+    events = []
+
+    def measure(launch, pass_):
+        events.append(("time", launch, pass_))
+        return 10 - (launch.chunk == 32) * 3 if pass_ == "fwd" else 5 - (launch.bwd_warps == 2)
+
+    def prepare(launches, pass_):
+        events.append(("prepare", tuple(launches), pass_))
+
+    found = tuning.search(start, fit, measure, report=lambda line: None, prepare=prepare)
+    plain = tuning.search(start, fit, measure, report=lambda line: None)
+    assert found.best == plain.best and (found.best.chunk, found.best.bwd_warps) == (32, 2)
+    prepared = [(launch, pass_) for kind, launches, pass_ in events if kind == "prepare" for launch in launches]
+    assert prepared and len(prepared) == len(set(prepared)), "a launch prepared twice in one pass"
+    assert max(len(launches) for kind, launches, _ in events if kind == "prepare") >= 3, "not side by side"
+    firsts = {pass_: next(x for k, x, p in events if k == "time" and p == pass_) for pass_ in ("fwd", "bwd")}
+    for i, (kind, launch, pass_) in enumerate(events):
+        if kind == "time" and launch != firsts[pass_] and not (pass_ == "bwd" and launch == found_fwd_best(events)):
+            # every launch a knob tries is timed after the prepare() that named it, in its pass
+            assert any(k == "prepare" and launch in ls and p == pass_ for k, ls, p in events[:i]), launch
+
+
+def found_fwd_best(events):
+    """The bwd pass starts by timing the forward's best (no prepare: one launch)."""
+    bwd = [x for k, x, p in events if k == "time" and p == "bwd"]
+    return bwd[1] if len(bwd) > 1 else None
+
+
 def test_search_stops_at_an_illegal_address():
     """A launch that loses the CUDA context (an illegal address: every later kernel would fail)
     stops the search with an error naming it and the hazard, instead of skipping it and reporting
@@ -393,7 +427,7 @@ def test_search_stops_when_its_budget_is_spent():
     found = tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch),
                           lambda launch, pass_: 1.0, report=lines.append, budget_s=0)
     assert found.best == default(call) and [t.launch for t in found.trials] == [default(call)] * 2
-    assert "  fwd: the budget of 0 s is spent" in lines
+    assert "  fwd: its share of the budget of 0 s is spent" in lines and "  bwd: its share of the budget of 0 s is spent" in lines
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -439,3 +473,20 @@ def test_a_warning_names_the_first_line_outside_attngen():
     with pytest.warns(UserWarning, match="a test") as got:
         ns["outer"]()
     assert got[0].filename == __file__
+
+
+def test_the_budget_is_shared_by_the_passes(monkeypatch):
+    """A budget of 12 launch-seconds: the forward's knobs (many) cannot take it all; the backward's
+    share is what the forward left (a fake clock: one second per timed launch)."""
+    call = linear_call()
+    clock = [0.0]
+    monkeypatch.setattr(tuning.time, "monotonic", lambda: clock[0])
+
+    def measure(launch, pass_):
+        clock[0] += 1.0
+        return 1.0
+
+    found = tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch),
+                          measure, report=lambda line: None, budget_s=12)
+    per_pass = {p: sum(t.pass_ == p for t in found.trials) for p in ("fwd", "bwd")}
+    assert 5 <= per_pass["fwd"] <= 8 and per_pass["bwd"] >= 5, per_pass
