@@ -250,10 +250,11 @@ _ALLOWED = {
 }
 
 
-def knob(pass_: str, allowed: str, search: tuple[int, ...]):
+def knob(pass_: str, allowed: str, search: tuple[int, ...], backward: bool = False):
     """A launch dataclass field: the pass whose time it changes (fwd | bwd), what it may be (_ALLOWED)
-    and the values a search tries (each fitted to the call before it runs)."""
-    return dataclasses.field(metadata={"pass": pass_, "allowed": allowed, "search": search})
+    and the values a search tries (each fitted to the call before it runs). backward: a forward
+    knob that the backward's kernels take too (it changes both passes' times)."""
+    return dataclasses.field(metadata={"pass": pass_, "allowed": allowed, "search": search, "backward": backward})
 
 
 class Launch:
@@ -278,6 +279,13 @@ class Launch:
         """The knobs' names in field order: all, or those of one pass (fwd | bwd)."""
         return tuple(f.name for f in dataclasses.fields(cls) if pass_ in (None, f.metadata["pass"]))
 
+    @classmethod
+    def searched(cls, pass_: str) -> tuple[str, ...]:
+        """The knobs a search moves in a pass: fwd its own; bwd (timed as forward + backward, a
+        training step) its own and the forward knobs the backward takes too."""
+        return tuple(f.name for f in dataclasses.fields(cls)
+                     if f.metadata["pass"] == pass_ or (pass_ == "bwd" and f.metadata["backward"]))
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedLaunch(Launch):
@@ -287,14 +295,14 @@ class ChunkedLaunch(Launch):
     of its own through the forward's prepare and state steps)."""
 
     chunk: int = knob("fwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the forward
-    BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes of the prepare step's value loop and the backward's kernels
-    prepare_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the prepare step (UT transform or keys)
+    BV: int = knob("fwd", "block", (16, 32, 64, 128), backward=True)  # value lanes of the prepare step's value loop and the backward's kernels
+    prepare_warps: int = knob("fwd", "warps", (2, 4, 8), backward=True)  # warps of the prepare step (UT transform or keys)
     states_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the state pass
-    states_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the state pass (the backward's recomputation too)
+    states_warps: int = knob("fwd", "warps", (2, 4, 8), backward=True)  # warps of the state pass (the backward's recomputation too)
     stages: int = knob("fwd", "stages", (1, 2, 3))  # software-pipeline stages of the forward's state pass
     output_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the output pass
     output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
-    maxnreg: int = knob("fwd", "registers", (128, 255))  # registers per thread (every chunked kernel)
+    maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
@@ -481,10 +489,15 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
             fwd_chunk = min(fwd_chunk, 32)
         if spec.update == "delta" and launch.bwd_warps >= 4:
             bwd_chunk = min(bwd_chunk, 32)
+    output_BV = launch.output_BV
+    if dtype == torch.bfloat16 and spec.normalize == "sum":
+        # The output pass of the sum normalizer at 16 value lanes: an illegal address on the H200
+        # (Triton 3.6, linear_transformer B4 T8192 H16 K = V = 128, `attngen tune`; 32 and up ran)
+        output_BV = max(output_BV, 32)
     V = lanes(call.value_dim)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
-        output_BV=min(launch.output_BV, V), bwd_chunk=bwd_chunk))
+        output_BV=min(output_BV, V), bwd_chunk=bwd_chunk))
 
 
 def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch) -> ChunkedLaunch:

@@ -161,7 +161,7 @@ class Entry:
     spec: str                   # the spec's name, for people reading the table
     launch: planner.Launch
     shape: str                  # the shape it was tuned at, B,T,H,K,V[,Tq]
-    ms: dict[str, float | None] | None = None           # its time per pass (fwd, bwd), milliseconds
+    ms: dict[str, float | None] | None = None           # its time per pass, milliseconds: fwd, bwd (forward + backward)
     default_ms: dict[str, float | None] | None = None   # the default launch's
 
     def to_json(self) -> dict:
@@ -420,7 +420,8 @@ def _search_call(spec: Spec, call: Call, dtype: torch.dtype, device, mach: Machi
 # ---------------------------------------------------------------------------- search
 @dataclasses.dataclass(frozen=True)
 class Trial:
-    """One launch timed for one pass (fwd: the forward; bwd: the backward), or why it was not."""
+    """One launch timed for one pass (fwd: the forward; bwd: the forward and the backward), or why it
+    was not."""
 
     launch: planner.Launch
     pass_: str
@@ -483,7 +484,7 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     for i, pass_ in enumerate(passes):
         now = time.monotonic()
         deadline = now + max(0.0, end - now) / (len(passes) - i) if end < math.inf else math.inf
-        names = cls.knobs(pass_)
+        names = cls.searched(pass_)
         default_ms[pass_] = trial(default, pass_, f"{pass_} [default]")
         best_ms[pass_] = default_ms[pass_] if best == default else trial(best, pass_, f"{pass_} [best so far]")
         seen = {best, default}
@@ -592,7 +593,7 @@ def _measurer(run, tol: float, timer) -> Callable[[planner.Launch, str], float]:
         worst = max(rel_error(a, b) for a, b in zip(got, ref.setdefault(pass_, got)))
         if not worst <= tol:
             raise ValueError(f"outputs differ from the default launch's by {worst:.1e} (allowed {tol:.1e})")
-        return timer(lambda: run(launch, pass_))
+        return timer(lambda: run.step(launch, pass_))
     return measure
 
 
@@ -647,5 +648,12 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
             outputs[launch] = forward(launch)
         return [gr for gr in backward(launch, *outputs[launch]) if gr is not None]
 
-    run.args = args
+    def step(launch, pass_):
+        # what one timed repetition runs: fwd the forward; bwd the forward and the backward (a
+        # training step: the forward knobs the backward takes change both)
+        outs = forward(launch)
+        if pass_ == "bwd":
+            backward(launch, *outs)
+
+    run.args, run.step = args, step
     return run

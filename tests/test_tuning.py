@@ -135,6 +135,11 @@ def test_fit_holds_a_launch_to_the_call():
     steps = dataclasses.replace(wide, states_warps=8, output_warps=8)
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, steps).chunk == 64
     assert planner.fit_chunked(KDA, linear_call(), torch.bfloat16, dataclasses.replace(steps, prepare_warps=4)).chunk == 64
+    # bf16 with the sum normalizer: the output pass at 32 value lanes or more (an illegal address at 16)
+    narrow = dataclasses.replace(wide, output_BV=16)
+    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, narrow).output_BV == 32
+    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.float32, narrow).output_BV == 16
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, narrow).output_BV == 16
 
 
 @pytest.mark.usefixtures("triton_backend")
