@@ -461,7 +461,7 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     their kernels side by side); what it leaves undone, measure does."""
     cls = type(default)
     best, trials = default, []
-    default_ms, best_ms = {}, {}
+    default_ms, best_ms, best_of = {}, {}, {}
     end = time.monotonic() + budget_s if budget_s is not None else math.inf
 
     def trial(launch: planner.Launch, pass_: str, label: str) -> float:
@@ -515,6 +515,12 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
             report(f"  {pass_}: its share of the budget of {budget_s:g} s is spent")
         report(f"  {pass_} best: {_changed(default, best)}: " +
                (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
+        best_of[pass_] = best
+    for pass_ in passes[:-1]:
+        if best_of[pass_] != best:
+            # a later pass moved a knob this one times (the backward's value blocks): the time
+            # recorded is the final launch's
+            best_ms[pass_] = trial(best, pass_, f"{pass_} [final launch]")
     finite = lambda d: {p: (ms if ms < math.inf else None) for p, ms in d.items()}  # noqa: E731
     return Found(best, tuple(trials), finite(default_ms), finite(best_ms))
 

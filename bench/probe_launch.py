@@ -8,6 +8,8 @@ agreement with the first variant at the timed shape, and the forward + backward 
 A variant is a list of ChunkedLaunch knobs set after the planner fitted its launch (its clamps
 bypassed, the stages refitted); the first variant is the reference of the agreement column. This is
 how a clamp of planner.fit_chunked is tested before it is lifted: a launch that fails here stays held.
+`--from-table FILE` appends to each spec's variants the launch of that tuning table's entry for the
+spec at the timed shape (how a shipped table's launches are held to the oracle).
 """
 from __future__ import annotations
 
@@ -59,10 +61,28 @@ def grads(op, inputs):
     return {"o": o.detach(), **{"d" + n: g for n, g in zip(names, gs)}}
 
 
+def table_variant(path: str, name: str, args) -> str | None:
+    """The launch of a table's entry for spec `name` at the probe's timed shape, as a variant."""
+    import json
+    shape = f"{args.B},{args.T},{args.H},{args.D},{args.D}"
+    for row in json.loads(Path(path).read_text())["entries"]:
+        if row["spec"] == name and row["shape"] == shape and row["dtype"] == args.dtype and row["kernel"] == "chunked":
+            return ",".join(f"{k}={v}" for k, v in row["launch"].items())
+    return None
+
+
+def spec_variants(args, name: str) -> list[str]:
+    variants = args.variants.split(";") if args.variants is not None else []
+    if args.from_table:
+        found = table_variant(args.from_table, name, args)
+        variants += [found] if found else []
+    return variants
+
+
 def isolated(args) -> int:
     table = []
     for name in args.specs.split(","):
-        for variant in args.variants.split(";"):
+        for variant in spec_variants(args, name):
             cmd = [sys.executable, __file__, "--specs", name, "--variants", variant, "--B", str(args.B), "--T", str(args.T),
                    "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype] + (["--no-oracle"] if args.no_oracle else [])
             out = subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()
@@ -76,17 +96,22 @@ def isolated(args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--specs", required=True)
-    p.add_argument("--variants", required=True, help="';'-separated variants, each 'knob=value,...' ('' = the planner's)")
+    p.add_argument("--variants", default=None, help="';'-separated variants, each 'knob=value,...' ('' = the planner's); "
+                   "required without --from-table")
     p.add_argument("--B", type=int, default=4)
     p.add_argument("--T", type=int, default=8192)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--from-table", default=None, metavar="FILE", help="also each spec's launch in this tuning table")
     p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
                    "address leaves the process's CUDA context unusable); no agreement column then")
     args = p.parse_args()
-    variants = [parse_variant(v) for v in args.variants.split(";")]
+    if args.variants is None and not args.from_table:
+        p.error("--variants is required without --from-table")
+    for v in (args.variants or "").split(";"):
+        parse_variant(v)
     if args.isolate:
         return isolated(args)
     dtype = getattr(torch, args.dtype)
@@ -97,7 +122,7 @@ def main() -> int:
         big = bench_inputs(op.spec, shape, dtype, "cuda", requires_grad=True)
         small = random_inputs(op.spec, Shape(batch=1, q_len=1000, heads=2, head_dim=args.D, value_dim=args.D), seed=7)
         ref = None
-        for variant in variants:
+        for variant in map(parse_variant, spec_variants(args, name)):
             OVERRIDE.clear()
             OVERRIDE.update(variant)
             tuning._remembered.cache_clear()

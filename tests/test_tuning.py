@@ -135,9 +135,10 @@ def test_fit_holds_a_launch_to_the_call():
     steps = dataclasses.replace(wide, states_warps=8, output_warps=8)
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, steps).chunk == 64
     assert planner.fit_chunked(KDA, linear_call(), torch.bfloat16, dataclasses.replace(steps, prepare_warps=4)).chunk == 64
-    # bf16 with the sum normalizer: the output pass at 32 value lanes or more (an illegal address at 16)
+    # bf16 with the sum normalizer: the output pass at 128 value lanes (illegal addresses at 16 and 32)
     narrow = dataclasses.replace(wide, output_BV=16)
-    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, narrow).output_BV == 32
+    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, narrow).output_BV == 128
+    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(V=64), torch.bfloat16, narrow).output_BV == 64
     assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.float32, narrow).output_BV == 16
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, narrow).output_BV == 16
 
@@ -393,8 +394,11 @@ def test_search_prepares_each_knobs_launches_together_before_timing_them():
     assert prepared and len(prepared) == len(set(prepared)), "a launch prepared twice in one pass"
     assert max(len(launches) for kind, launches, _ in events if kind == "prepare") >= 3, "not side by side"
     firsts = {pass_: next(x for k, x, p in events if k == "time" and p == pass_) for pass_ in ("fwd", "bwd")}
+    first_bwd = next(i for i, (k, _, p) in enumerate(events) if p == "bwd")
     for i, (kind, launch, pass_) in enumerate(events):
-        if kind == "time" and launch != firsts[pass_] and not (pass_ == "bwd" and launch == found_fwd_best(events)):
+        final = pass_ == "fwd" and i > first_bwd   # the final launch's forward, timed again
+        if (kind == "time" and launch != firsts[pass_] and not final
+                and not (pass_ == "bwd" and launch == found_fwd_best(events))):
             # every launch a knob tries is timed after the prepare() that named it, in its pass
             assert any(k == "prepare" and launch in ls and p == pass_ for k, ls, p in events[:i]), launch
 
