@@ -516,8 +516,15 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         report(f"  {pass_} best: {_changed(default, best)}: " +
                (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
         best_of[pass_] = best
+    last = passes[-1]
+    if best != default and default_ms[last] < best_ms[last]:
+        # the last pass's time (forward + backward with a backward) decides: a forward's gain that
+        # costs the training step more does not stand
+        report(f"  {last}: the best launch ({best_ms[last]:.3f} ms) is slower than the default "
+               f"({default_ms[last]:.3f} ms): the default stands")
+        best, best_ms = default, dict(default_ms)
     for pass_ in passes[:-1]:
-        if best_of[pass_] != best:
+        if best_of[pass_] != best and best != default:
             # a later pass moved a knob this one times (the backward's value blocks): the time
             # recorded is the final launch's
             best_ms[pass_] = trial(best, pass_, f"{pass_} [final launch]")

@@ -499,3 +499,19 @@ def test_the_budget_is_shared_by_the_passes(monkeypatch):
                           measure, report=lambda line: None, budget_s=12)
     per_pass = {p: sum(t.pass_ == p for t in found.trials) for p in ("fwd", "bwd")}
     assert 5 <= per_pass["fwd"] <= 8 and per_pass["bwd"] >= 5, per_pass
+
+
+def test_a_forward_gain_that_slows_the_training_step_does_not_stand():
+    """The forward pass finds a faster chunk whose forward + backward is slower than the default's
+    and no backward knob recovers it: the default stands, with its times."""
+    call = linear_call()
+    start = default(call)
+    fit = lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch)  # noqa: E731
+
+    def measure(launch, pass_):
+        return (9.0 if launch.chunk == 32 else 10.0) if pass_ == "fwd" else (21.0 if launch.chunk == 32 else 20.0)
+
+    lines = []
+    found = tuning.search(start, fit, measure, report=lines.append)
+    assert found.best == start and found.best_ms == found.default_ms == {"fwd": 10.0, "bwd": 20.0}
+    assert any("slower than the default (20.000 ms): the default stands" in line for line in lines), lines

@@ -49,7 +49,7 @@ def test_tune_then_a_fresh_process_takes_the_table(name, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ATTNGEN_TUNE_DIR": str(tmp_path), "ATTNGEN_AUTOTUNE": "1"}
     spec = ROOT / "specs" / f"{name}.yaml"
     out = subprocess.run([sys.executable, "-m", "attngen.cli", "tune", str(spec), "--shapes", SHAPE, "--dtype",
-                          "bfloat16", "--budget", "90"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=280)
+                          "bfloat16", "--budget", "40"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (table,) = tmp_path.glob("*.json")
     (entry,) = tuning.read_table(table).entries
