@@ -440,6 +440,10 @@ class Found:
     best_ms: dict[str, float | None]
 
 
+# A search's best launch replaces the default only this much faster (relative) in the last pass: the
+# same launch timed in two runs of do_bench on the H200 differs by up to about 1%.
+MIN_GAIN = 0.02
+
 # What a CUDA error that leaves the process's context unusable says: every kernel after it fails
 # (an illegal address from a miscompiled launch; Triton 3.6 at bf16 wgmma dots, BENCHMARKS.md).
 CONTEXT_LOST = ("illegal memory access", "illegal address", "misaligned address", "unspecified launch failure")
@@ -517,11 +521,11 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
                (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
         best_of[pass_] = best
     last = passes[-1]
-    if best != default and default_ms[last] < best_ms[last]:
+    if best != default and not best_ms[last] < (1 - MIN_GAIN) * default_ms[last]:
         # the last pass's time (forward + backward with a backward) decides: a forward's gain that
-        # costs the training step more does not stand
-        report(f"  {last}: the best launch ({best_ms[last]:.3f} ms) is slower than the default "
-               f"({default_ms[last]:.3f} ms): the default stands")
+        # costs the training step more, or a gain within the timing noise, does not stand
+        report(f"  {last}: the best launch ({best_ms[last]:.3f} ms) is not {MIN_GAIN:.0%} faster than the "
+               f"default ({default_ms[last]:.3f} ms): the default stands")
         best, best_ms = default, dict(default_ms)
     for pass_ in passes[:-1]:
         if best_of[pass_] != best and best != default:
