@@ -152,6 +152,11 @@ def cmd_compile(args) -> int:
     return 0
 
 
+# Named shape sets of `tune --shapes`: typical training shapes, 16K and 128K tokens per step (B2 and
+# B16 at T8192) at a hidden size of 2048 in heads of K = V = 64, 128 and 256.
+SHAPE_SETS = {"training": tuple(f"{b},8192,{2048 // d},{d},{d}" for d in (64, 128, 256) for b in (2, 16))}
+
+
 def _shapes(text: str):
     """B,T,H,K,V[,Tq[,H_kv]] as a testing.Shape (testing.parse_shape), an argparse error if malformed."""
     from .testing import parse_shape
@@ -159,6 +164,11 @@ def _shapes(text: str):
         return parse_shape(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--shapes: ")) from None
+
+
+def _shape_list(text: str) -> list:
+    """One shape, or a named set of them (SHAPE_SETS)."""
+    return [_shapes(t) for t in SHAPE_SETS[text]] if text in SHAPE_SETS else [_shapes(text)]
 
 
 def _baselines(text: str) -> tuple[str, ...]:
@@ -192,8 +202,9 @@ def cmd_tune(args) -> int:
         if planner.launch_family(spec) is None:
             report(f"{spec.name}: skipped: its kernels (recurrent, bidirectional) take no launch knobs")
             continue
-        shapes = [s for s in args.shapes or [_shapes(BENCH_SHAPE)] if not spec.is_linear or not (s.k_len or s.kv_heads)]
-        if len(shapes) < len(args.shapes or ()):
+        given = [s for group in args.shapes or [[_shapes(BENCH_SHAPE)]] for s in group]
+        shapes = [s for s in given if not spec.is_linear or not (s.k_len or s.kv_heads)]
+        if len(shapes) < len(given):
             report(f"{spec.name}: shapes with Tq or H_kv skipped: those are for softmax specs")
         if shapes:
             tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)
@@ -251,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     tune_dtypes = ("bfloat16", "float16", "float32")
     p = sub.add_parser("tune", help="search the kernels' launch knobs on this GPU and write the winners to a table")
     p.add_argument("specs", type=Path, nargs="+")
-    p.add_argument("--shapes", type=_shapes, nargs="+", default=None, metavar="B,T,H,K,V[,Tq]",
-                   help=f"shapes to tune at (T the keys' length; Tq the queries', softmax decode); "
-                        f"default {BENCH_SHAPE}")
+    p.add_argument("--shapes", type=_shape_list, nargs="+", default=None, metavar="B,T,H,K,V[,Tq]",
+                   help=f"shapes to tune at (T the keys' length; Tq the queries', softmax decode), or "
+                        f"{', '.join(SHAPE_SETS)} ({' '.join(SHAPE_SETS['training'])}); default {BENCH_SHAPE}")
     p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
     p.add_argument("--out", type=Path, default=None,
                    help="directory of the table (default: $ATTNGEN_TUNE_DIR, else $ATTNGEN_CACHE/tune; the shipped "

@@ -3,7 +3,8 @@
 # its own (an illegal address from a miscompiled launch ends a process's CUDA context; the specs
 # after it still run), each with a search budget and a time limit.
 #   bash bench/tune_tables.sh [SPEC.yaml ...]      (default: every shipped spec with launch knobs)
-# TUNE_SHAPES (default the benchmark shape 4,8192,16,128,128; several separated by spaces),
+# TUNE_SHAPES (default the benchmark shape 4,8192,16,128,128; several separated by spaces, or
+# "training": the six shapes of attngen.cli.SHAPE_SETS),
 # TUNE_DTYPE (bfloat16), TUNE_BUDGET (seconds of search per shape, 40), TUNE_LIMIT (seconds per spec,
 # 150), TUNE_OUT (the table's directory, attngen/tables), TUNE_LOG (a file for the whole search's report).
 set -uo pipefail

@@ -130,6 +130,19 @@ def test_tune_and_bench_without_a_gpu_say_so_in_one_line(argv, monkeypatch, caps
     assert len(out.err.strip().splitlines()) == 1 and not out.out
 
 
+def test_tune_takes_a_named_set_of_shapes(monkeypatch):
+    """`--shapes training` is the six typical training shapes (16K and 128K tokens, K = V = 64, 128,
+    256), given alongside plain shapes in order."""
+    from attngen import tuning
+    seen = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(tuning, "tune", lambda spec, shapes, *a, **kw: seen.append([
+        (s.batch, s.q_len, s.heads, s.head_dim, s.value_dim) for s in shapes]))
+    assert main(["tune", "specs/gla.yaml", "--shapes", "1,64,2,16,16", "training"]) == 0
+    assert seen == [[(1, 64, 2, 16, 16), (2, 8192, 32, 64, 64), (16, 8192, 32, 64, 64), (2, 8192, 16, 128, 128),
+                     (16, 8192, 16, 128, 128), (2, 8192, 8, 256, 256), (16, 8192, 8, 256, 256)]]
+
+
 @pytest.mark.parametrize("argv, error", [
     (["tune", "specs/gla.yaml", "--shapes", "4,8192,16"], "argument --shapes: expected B,T,H,K,V[,Tq[,H_kv]]"),
     (["tune", "specs/gla.yaml", "--shapes", "1,8,2,4,4,9"], "Tq = 9 must be at most T = 8"),
