@@ -6,7 +6,7 @@
 # TUNE_SHAPES (default the benchmark shape 4,8192,16,128,128; several separated by spaces, or
 # "training": the six shapes of attngen.cli.SHAPE_SETS),
 # TUNE_DTYPE (bfloat16), TUNE_BUDGET (seconds of search per shape, 40), TUNE_LIMIT (seconds per spec,
-# 150), TUNE_OUT (the table's directory, attngen/tables), TUNE_LOG (a file for the whole search's report).
+# 150: raise it with several shapes), TUNE_OUT (the table's directory, attngen/tables), TUNE_LOG (a file for the whole search's report).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
