@@ -5,6 +5,7 @@ torch, sympy and jinja are imported inside the commands, not here: `attngen --he
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -223,6 +224,9 @@ def cmd_bench(args) -> int:
     shapes = args.shapes or [_shapes(BENCH_SHAPE)]
     shapes = bench.sweep(shapes[0]) if args.plot and len(shapes) == 1 else shapes
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # the baselines' triton.autotune results kept on disk in Triton's cache (fla autotunes each op
+    # for 20-155 s on its first call): a second run times their best configurations at once
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     report = lambda line: print(line, flush=True)  # noqa: E731
     rows = bench.run(specs, shapes, getattr(torch, args.dtype), device, (args.bwd,), args.vs, report=report,
                      profile_kernels=args.profile)
