@@ -21,11 +21,10 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attngen  # noqa: E402
 from attngen import runtime  # noqa: E402
-
-H, K, V = 16, 128, 128
-STEPS = 16
+from decode import H, K, STEPS, V, graphed, us  # noqa: E402  (bench/decode.py: the same step, shapes and timers)
 
 
 def launcher(module, normalized: bool, BV: int, warps: int):
@@ -41,19 +40,6 @@ def launcher(module, normalized: bool, BV: int, warps: int):
                                               T, S, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5, **meta)
         return run
     return recurrent_launch
-
-
-def graphed(fn):
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
 def main(argv=None) -> int:
