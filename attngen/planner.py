@@ -835,7 +835,7 @@ MEMORY = {
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
               "float32 with vector decay, the sum normalizer or other inputs) and the decayed keys (T x F values, "
               "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
-              "and the UT transform's (I + A)^-1, T x C float32); the recurrent backward keeps per-token "
+              "and the UT transform's (I + A)^-1, T x C, bf16 for bf16 inputs, else float32); the recurrent backward keeps per-token "
               "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "
               "chunk-start states at chunks of at most 32 tokens (T/32 x F x V per head: bf16 for bf16 inputs "
               "except with the sum normalizer, else float32) and keeps the "

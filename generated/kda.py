@@ -509,8 +509,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # G [BT, BF] is the cumulative log decay inside the chunk, in float64: only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
 # Memory: the chunk-start states [chunk slots, H, F, VS] float32,
-# (I + A)^-1 [B, T, H, BT] float32, W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V], Γ_C [chunk slots, H, F] float32
-# (W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
+# (I + A)^-1 [B, T, H, BT], W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V], Γ_C [chunk slots, H, F] float32
+# ((I + A)^-1, W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
 # fp16's range is too short for them: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
@@ -580,7 +580,7 @@ def chunked_ut_kernel(
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
-    #   L^-1_ii = (I + A_ii)^-1 (forward substitution, 16 rows), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
+    #   L^-1_ii = (I + A_ii)^-1 (by doubling, 2 x 2 to 16 x 16), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
     # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
     # Then W, U0, K ⊙ Γ_C/Γ and Γ_C for the state pass, from the stored rows read back as one
     # [BT, BT] tile (its dots at the chunk's full width, not 16-row blocks).
@@ -605,6 +605,11 @@ def chunked_ut_kernel(
     m_k, m_f = o_k < K, o_f < F
     m_lower = o_j[:, None] > o_j[None, :]
     m_eye = o_j[:, None] == o_j[None, :]
+    # [16, 16] per b: (t, s) in one 2b block, t in its second half and s in its first
+    m_couple1 = (o_j[:, None] // 2 == o_j[None, :] // 2) & ((o_j[:, None] // 1) % 2 == 1) & ((o_j[None, :] // 1) % 2 == 0)
+    m_couple2 = (o_j[:, None] // 4 == o_j[None, :] // 4) & ((o_j[:, None] // 2) % 2 == 1) & ((o_j[None, :] // 2) % 2 == 0)
+    m_couple4 = (o_j[:, None] // 8 == o_j[None, :] // 8) & ((o_j[:, None] // 4) % 2 == 1) & ((o_j[None, :] // 4) % 2 == 0)
+    m_couple8 = (o_j[:, None] // 16 == o_j[None, :] // 16) & ((o_j[:, None] // 8) % 2 == 1) & ((o_j[None, :] // 8) % 2 == 0)
     # [BF] the log decay of the chunk's earlier blocks
     b_carry = tl.zeros([BF], dtype=tl.float64)
     # ---- block 0: tokens 0 .. 15 of the chunk
@@ -645,20 +650,28 @@ def chunked_ut_kernel(
             b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
             b_A00 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k0 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A00)
     b_A00 = b_A00 * b_beta0[:, None]
-    # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-    b_Ai00 = tl.where(m_eye, 1.0, 0.0)
-    for r in range(1, 16):
-        m_row = o_j[:, None] == r
-        b_a = tl.sum(tl.where(m_row, b_A00, 0.0), 0)
-        b_Ai00 = tl.where(m_row, b_Ai00 - tl.sum(b_a[:, None] * b_Ai00, 0)[None, :], b_Ai00)
+    # [16, 16] X = (I + A_00)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
+    # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
+    # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
+    # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
+    # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
+    # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
+    # BENCHMARKS.md)
+    b_Ai00 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A00, 0.0)
+    b_XC = tl.dot(b_Ai00, tl.where(m_couple2, b_A00, 0.0), input_precision="ieee")
+    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
+    b_XC = tl.dot(b_Ai00, tl.where(m_couple4, b_A00, 0.0), input_precision="ieee")
+    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
+    b_XC = tl.dot(b_Ai00, tl.where(m_couple8, b_A00, 0.0), input_precision="ieee")
+    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
     # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-    tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], b_Ai00, mask=m_t0[:, None])
+    tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai00, ai.dtype.element_ty, DOT_PRECISION), mask=m_t0[:, None])
     if BT > 16:
-        tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+        tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
     if BT > 32:
-        tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+        tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
     if BT > 48:
-        tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t0[:, None])
+        tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
     if BT > 16:
         # ---- block 1: tokens 16 .. 31 of the chunk
         o_t1 = i_c * BT + 16 + o_j
@@ -701,21 +714,29 @@ def chunked_ut_kernel(
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A11 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k1 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A11)
         b_A11 = b_A11 * b_beta1[:, None]
-        # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-        b_Ai11 = tl.where(m_eye, 1.0, 0.0)
-        for r in range(1, 16):
-            m_row = o_j[:, None] == r
-            b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
-            b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
+        # [16, 16] X = (I + A_11)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
+        # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
+        # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
+        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
+        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
+        # BENCHMARKS.md)
+        b_Ai11 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A11, 0.0)
+        b_XC = tl.dot(b_Ai11, tl.where(m_couple2, b_A11, 0.0), input_precision="ieee")
+        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
+        b_XC = tl.dot(b_Ai11, tl.where(m_couple4, b_A11, 0.0), input_precision="ieee")
+        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
+        b_XC = tl.dot(b_Ai11, tl.where(m_couple8, b_A11, 0.0), input_precision="ieee")
+        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
         # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
         b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
         # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-        tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], b_Ai10, mask=m_t1[:, None])
-        tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], b_Ai11, mask=m_t1[:, None])
+        tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
+        tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
         if BT > 32:
-            tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t1[:, None])
+            tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
         if BT > 48:
-            tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t1[:, None])
+            tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
     if BT > 32:
         # ---- block 2: tokens 32 .. 47 of the chunk
         o_t2 = i_c * BT + 32 + o_j
@@ -761,22 +782,30 @@ def chunked_ut_kernel(
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A22 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k2 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A22)
         b_A22 = b_A22 * b_beta2[:, None]
-        # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-        b_Ai22 = tl.where(m_eye, 1.0, 0.0)
-        for r in range(1, 16):
-            m_row = o_j[:, None] == r
-            b_a = tl.sum(tl.where(m_row, b_A22, 0.0), 0)
-            b_Ai22 = tl.where(m_row, b_Ai22 - tl.sum(b_a[:, None] * b_Ai22, 0)[None, :], b_Ai22)
+        # [16, 16] X = (I + A_22)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
+        # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
+        # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
+        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
+        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
+        # BENCHMARKS.md)
+        b_Ai22 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A22, 0.0)
+        b_XC = tl.dot(b_Ai22, tl.where(m_couple2, b_A22, 0.0), input_precision="ieee")
+        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
+        b_XC = tl.dot(b_Ai22, tl.where(m_couple4, b_A22, 0.0), input_precision="ieee")
+        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
+        b_XC = tl.dot(b_Ai22, tl.where(m_couple8, b_A22, 0.0), input_precision="ieee")
+        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
         # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
         b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
         # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
         b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
         # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-        tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], b_Ai20, mask=m_t2[:, None])
-        tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], b_Ai21, mask=m_t2[:, None])
-        tl.store(ai + o_tok2[:, None] * BT + 32 + o_j[None, :], b_Ai22, mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai20, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai21, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai22, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
         if BT > 48:
-            tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=tl.float32), mask=m_t2[:, None])
+            tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t2[:, None])
         # ---- block 3: tokens 48 .. 63 of the chunk
         o_t3 = i_c * BT + 48 + o_j
         m_t3 = o_t3 < T_seq
@@ -824,12 +853,20 @@ def chunked_ut_kernel(
                 b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
                 b_A33 = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_k3 * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_A33)
         b_A33 = b_A33 * b_beta3[:, None]
-        # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-        b_Ai33 = tl.where(m_eye, 1.0, 0.0)
-        for r in range(1, 16):
-            m_row = o_j[:, None] == r
-            b_a = tl.sum(tl.where(m_row, b_A33, 0.0), 0)
-            b_Ai33 = tl.where(m_row, b_Ai33 - tl.sum(b_a[:, None] * b_Ai33, 0)[None, :], b_Ai33)
+        # [16, 16] X = (I + A_33)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
+        # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
+        # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
+        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
+        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
+        # BENCHMARKS.md)
+        b_Ai33 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A33, 0.0)
+        b_XC = tl.dot(b_Ai33, tl.where(m_couple2, b_A33, 0.0), input_precision="ieee")
+        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
+        b_XC = tl.dot(b_Ai33, tl.where(m_couple4, b_A33, 0.0), input_precision="ieee")
+        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
+        b_XC = tl.dot(b_Ai33, tl.where(m_couple8, b_A33, 0.0), input_precision="ieee")
+        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
         # [16, 16] (I + A)^-1_32 = -(I + A)^-1_33 sum_{m = 2}^{2} A_3m (I + A)^-1_m2
         b_Ai32 = -tl.dot(b_Ai33, tl.dot(b_A32, b_Ai22, input_precision="ieee"), input_precision="ieee")
         # [16, 16] (I + A)^-1_31 = -(I + A)^-1_33 sum_{m = 1}^{2} A_3m (I + A)^-1_m1
@@ -837,10 +874,10 @@ def chunked_ut_kernel(
         # [16, 16] (I + A)^-1_30 = -(I + A)^-1_33 sum_{m = 0}^{2} A_3m (I + A)^-1_m0
         b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_A30, b_Ai00, input_precision="ieee") + tl.dot(b_A31, b_Ai10, input_precision="ieee") + tl.dot(b_A32, b_Ai20, input_precision="ieee"), input_precision="ieee")
         # rows 48 .. 63 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-        tl.store(ai + o_tok3[:, None] * BT + 0 + o_j[None, :], b_Ai30, mask=m_t3[:, None])
-        tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], b_Ai31, mask=m_t3[:, None])
-        tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], b_Ai32, mask=m_t3[:, None])
-        tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], b_Ai33, mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai30, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai31, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai32, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
+        tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], chunked_cast(b_Ai33, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
 
     # ---- the chunk's W, U0 and keys for the state pass
     # every thread's rows of (I + A)^-1 stored above are visible to all threads past this barrier
@@ -1129,7 +1166,7 @@ def chunked_states_dtype(dtype):
 
 
 def chunked_pass_dtype(dtype):
-    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
+    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U, (I + A)^-1): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
     half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
     (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""
@@ -1144,7 +1181,7 @@ class ChunkedStates(NamedTuple):
     gc: Optional[torch.Tensor]              # [slots, H, F] float32: Γ_C, the decay over each chunk
     w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
     u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
-    ai: Optional[torch.Tensor]              # [B, T, H, chunk] float32: the rows of (I + A)^-1
+    ai: Optional[torch.Tensor]              # [B, T, H, chunk] in chunked_pass_dtype: the rows of (I + A)^-1
     chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
     chunk_seq: Optional[torch.Tensor]
     n_slots: int
@@ -1165,9 +1202,9 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
-    ai = torch.empty(B, T, H, chunk, **f32)
-    # W, the keys K ⊙ Γ_C/Γ and U0 (the state pass writes U over it); Γ_C per chunk slot
+    # the rows of (I + A)^-1, W, the keys K ⊙ Γ_C/Γ and U0 (the state pass writes U over it); Γ_C per chunk slot
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
+    ai = torch.empty(B, T, H, chunk, **tiles)
     w, kr, u = torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, V, **tiles)
     gc = torch.empty(n_slots, H, F, **f32)
     chunked_ut_kernel[(n_slots, H)](

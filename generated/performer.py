@@ -854,7 +854,7 @@ def chunked_states_dtype(dtype):
 
 
 def chunked_pass_dtype(dtype):
-    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U): bf16
+    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U, (I + A)^-1): bf16
     for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
     half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
     (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""
@@ -869,7 +869,7 @@ class ChunkedStates(NamedTuple):
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
     w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
     u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
-    ai: Optional[torch.Tensor]              # [B, T, H, chunk] float32: the rows of (I + A)^-1
+    ai: Optional[torch.Tensor]              # [B, T, H, chunk] in chunked_pass_dtype: the rows of (I + A)^-1
     chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
     chunk_seq: Optional[torch.Tensor]
     n_slots: int

@@ -107,6 +107,25 @@ def test_float16_features_beyond_its_range():
     assert rel_error(s, ref_s) <= tolerance(torch.float16, None)
 
 
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_repeated_keys_in_a_chunk(name):
+    """One key repeated over a 64-token chunk with β = 1 and almost no decay: every entry of the
+    UT transform's strictly lower A is about 1, so (I + A)^-1 is about I minus the subdiagonal, while
+    the powers of A grow to C(14, 7) = 3432 within a 16-token block. The diagonal blocks' inverse
+    (forward substitution, or doubling with vector decay) and their products hold fp32's tolerance
+    where a power series of A would cancel."""
+    op = attngen.load(SPECS[name])
+    shape = Shape(batch=1, q_len=64, heads=1, head_dim=8, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=5, initial_state=False)
+    inputs["k"] = inputs["k"][:, :1].expand_as(inputs["k"]).clone()
+    inputs["beta"] = torch.ones_like(inputs["beta"])
+    inputs["g"] = torch.full_like(inputs["g"], -1e-3)
+    fn = lambda **kw: op(**kw, form="chunked", chunk_size=64)  # noqa: E731
+    rows = compare(op.spec, fn, inputs, torch.float32, with_grads=False)
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, "\n".join(failures)
+
+
 def test_float16_written_values_beyond_its_range():
     """The delta rule's values between passes (U) of fp16 inputs keep fp32's range: with orthogonal
     keys and β = 2, the written values are U = 2 V = ±120000 (fp16's largest value is 65504), while
