@@ -731,6 +731,7 @@ class KernelSpec:
     log_decay_floor: float          # log decays are raised to it where the kernels load them
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
+    ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
 
 
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
@@ -741,6 +742,17 @@ class KernelSpec:
 # kernels take the pairs by offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for
 # any decay.
 DECAY_SPAN = 40.0
+
+
+def ut_inverse(spec: Spec) -> str:
+    """How the delta rule's UT step inverts the diagonal 16 x 16 blocks of I + A ("" without the
+    rule): "doubling" (X - X C X over blocks of 2, 4, 8, 16 rows, six float32 dots) with vector
+    decay, "substitution" (16 dependent rows) otherwise. Which is faster depends on the kernel around
+    it (the H200 at K = V = 128 bf16, bench/probe_ut.py): kda's step 1095 against 1439 us at 16-token
+    chunks and 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64."""
+    if not (spec.is_linear and spec.update == "delta"):
+        return ""
+    return "doubling" if spec.decay == "vector" else "substitution"
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -761,6 +773,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN,
+        ut_inverse=ut_inverse(spec),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 
@@ -783,7 +796,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if not spec.is_linear or spec.mask == "bidirectional":
         return (), ()
     delta, norm = spec.update == "delta", spec.normalize == "sum"
-    prepare = (("chunked_ut_kernel", "chunk-parallel: (I + A)^-1 by 16-token blocks, W, U0, the decayed keys")
+    prepare = (("chunked_ut_kernel", f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by "
+                                     f"{ut_inverse(spec)}), W, U0, the decayed keys")
                if delta else ("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"))
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else ""))

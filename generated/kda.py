@@ -653,10 +653,7 @@ def chunked_ut_kernel(
     # [16, 16] X = (I + A_00)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
     # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
     # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
-    # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
-    # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
-    # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
-    # BENCHMARKS.md)
+    # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
     b_Ai00 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A00, 0.0)
     b_XC = tl.dot(b_Ai00, tl.where(m_couple2, b_A00, 0.0), input_precision="ieee")
     b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
@@ -717,10 +714,7 @@ def chunked_ut_kernel(
         # [16, 16] X = (I + A_11)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
         # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
-        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
-        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
-        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
-        # BENCHMARKS.md)
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai11 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A11, 0.0)
         b_XC = tl.dot(b_Ai11, tl.where(m_couple2, b_A11, 0.0), input_precision="ieee")
         b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
@@ -785,10 +779,7 @@ def chunked_ut_kernel(
         # [16, 16] X = (I + A_22)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
         # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
-        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
-        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
-        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
-        # BENCHMARKS.md)
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai22 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A22, 0.0)
         b_XC = tl.dot(b_Ai22, tl.where(m_couple2, b_A22, 0.0), input_precision="ieee")
         b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
@@ -856,10 +847,7 @@ def chunked_ut_kernel(
         # [16, 16] X = (I + A_33)^-1 by doubling: with X the inverse of the diagonal b x b blocks of
         # I + A and C the entries of A coupling the two halves of each 2b block, the 2b blocks' inverse is
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
-        # series of A would cancel: tests/test_kernels_chunked.py repeated keys). Vector decay only: on the
-        # H200 at K = V = 128 bf16 kda's step took 1095 us at 16-token chunks against 1439 by forward
-        # substitution, 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64 (bench/probe_ut.py,
-        # BENCHMARKS.md)
+        # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai33 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A33, 0.0)
         b_XC = tl.dot(b_Ai33, tl.where(m_couple2, b_A33, 0.0), input_precision="ieee")
         b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
