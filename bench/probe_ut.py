@@ -32,7 +32,12 @@ MODULES: list = []
 def load(path: str):
     """The kernels and launch helpers of a generated module: its source up to the op's section (which
     registers the torch op, once per name and process), written where Triton's jit reads it back."""
+    if not Path(path).is_file():
+        raise SystemExit(f"probe_ut: module {path!r} is not a file (a generated module, generated/<spec>.py)")
     src = Path(path).read_text()
+    if OP_SECTION not in src or "def chunked_ut_kernel(" not in src:
+        raise SystemExit(f"probe_ut: {path} is not a generated module of a delta rule (no chunked_ut_kernel "
+                         f"before its op section)")
     kernels = Path(tempfile.mkdtemp()) / f"{Path(path).stem}.py"
     kernels.write_text(src[:src.index(OP_SECTION)])
     spec = importlib.util.spec_from_file_location(f"probe_ut_{Path(path).stem}_{len(MODULES)}", kernels)
@@ -88,6 +93,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("probe_ut: no CUDA GPU on this machine")
         return 1
+    for name in ("chunks", "warps"):
+        if not all(x.isdigit() for x in getattr(args, name).split(",")):
+            p.error(f"--{name}: expected comma-separated integers, got {getattr(args, name)!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
     B, T, H, D = args.B, args.T, args.H, args.D
