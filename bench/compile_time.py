@@ -9,13 +9,12 @@ compilation only (no kernel runs; the outputs are garbage and are not looked at)
 and their specializations are exactly those a GPU call of the same shapes compiles. Needs the
 Triton of the GPU machine (its ptxas ships in the wheel); TRITON_INTERPRET must be unset. A fresh
 Triton cache each run, so the times are compilations. --launch sets chunked launch knobs after the
-planner fitted its launch (as bench/probe_launch.py's variants: its clamps bypassed, the stages
+planner fitted its launch (bench/probe_launch.py's variants: its clamps bypassed, the stages
 refitted), e.g. to see the registers and spills of a launch before it is timed on the GPU.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import subprocess
@@ -34,7 +33,6 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen
 import attngen.runtime
-from attngen import planner
 from attngen.testing import Shape, random_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,22 +65,6 @@ def ptxas_info(ptxas: Path, ptx: Path) -> str:
     return f"{regs.group(1) if regs else '?':>4} regs {spills.group(1) if spills else '?':>7} B spilled"
 
 
-def override_chunked(text: str) -> None:
-    knobs = {f.name for f in dataclasses.fields(planner.ChunkedLaunch)}
-    override = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if name not in knobs or not value.isdigit():
-            sys.exit(f"--launch: {item!r} is not knob=int; knobs: {', '.join(sorted(knobs))}")
-        override[name] = int(value)
-    fit = planner.fit_chunked
-
-    def fit_with_override(spec, call, dtype, launch, chunk=None):
-        launch = fit(spec, call, dtype, launch, chunk)
-        return planner.fit_stages(spec, call, dtype, dataclasses.replace(launch, **override))
-    planner.fit_chunked = fit_with_override
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("spec")
@@ -95,7 +77,9 @@ def main():
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
     args = p.parse_args()
     if args.launch:
-        override_chunked(args.launch)
+        # probe_launch's variants: knobs set over the fitted launch (planner.fit_chunked, patched there)
+        import probe_launch
+        probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("compile_time.py compiles for the GPU: unset TRITON_INTERPRET")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen_compile_")   # every kernel compiled afresh

@@ -41,13 +41,15 @@ def _fit_with_override(spec, call, dtype, launch, chunk=None):
 planner.fit_chunked = _fit_with_override
 
 
-def parse_variant(text: str) -> dict[str, int]:
+def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
     knobs = {f.name for f in dataclasses.fields(planner.ChunkedLaunch)}
     out = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
         if name not in knobs:
-            raise SystemExit(f"--variants: {name!r} is no ChunkedLaunch knob; knobs: {', '.join(sorted(knobs))}")
+            raise SystemExit(f"{option}: {name!r} is no ChunkedLaunch knob; knobs: {', '.join(sorted(knobs))}")
+        if not value.isdigit():
+            raise SystemExit(f"{option}: {name}={value!r}: the value is not allowed; allowed: a positive integer")
         out[name] = int(value)
     return out
 
