@@ -243,6 +243,7 @@ _ALLOWED = {
     "chunk": (lambda x: x in KERNEL_CHUNKS, ", ".join(map(str, KERNEL_CHUNKS))),
     "block": (lambda x: 16 <= x <= 256 and not x & (x - 1), "a power of two from 16 to 256"),
     "warps": (lambda x: x in (1, 2, 4, 8, 16), "1, 2, 4, 8 or 16"),
+    "warps_or_off": (lambda x: x in (0, 1, 2, 4, 8, 16), "0 (off) or 1, 2, 4, 8 or 16"),
     "stages": (lambda x: 1 <= x <= 8, "1 to 8"),
     "registers": (lambda x: 32 <= x <= 255, "32 to 255 registers per thread"),
     "flag": (lambda x: x in (0, 1), "0 or 1"),
@@ -297,6 +298,7 @@ class ChunkedLaunch(Launch):
     chunk: int = knob("fwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the forward
     BV: int = knob("fwd", "block", (16, 32, 64, 128), backward=True)  # value lanes of the prepare step's value loop and the backward's kernels
     prepare_warps: int = knob("fwd", "warps", (2, 4, 8), backward=True)  # warps of the prepare step (UT transform or keys)
+    wu_warps: int = knob("fwd", "warps_or_off", (0, 4), backward=True)  # delta rules: warps of W, U0 and the keys as a kernel of their own after the UT step's inverse (0: in the UT step's kernel)
     states_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the state pass
     states_warps: int = knob("fwd", "warps", (2, 4, 8), backward=True)  # warps of the state pass (the backward's recomputation too)
     stages: int = knob("fwd", "stages", (1, 2, 3))  # software-pipeline stages of the forward's state pass
@@ -305,6 +307,7 @@ class ChunkedLaunch(Launch):
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
+    bwd_wy_warps: int = knob("bwd", "warps", (4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
@@ -454,12 +457,23 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         # performer 55.8). The delta rules' backward at 64 tokens and four warps gave NaN gradients
         # and illegal addresses (Triton 3.6's 64-row wgmma miscompile), at eight warps right but slower.
         bwd_chunk, bwd_stages = 64, 1
+    # Vector decay (KDA) in bf16, B4 T8192 H16 K = V = 128 on the H200 (BENCHMARKS.md 2026-12-02): W, U0
+    # and the keys as a kernel of their own at four warps took the UT steps of one training step
+    # (the forward's at 16-token chunks, the backward's at 32) from 4011 to 1580 us, the backward's
+    # UT step (chunked_bwd_wy_kernel) at eight warps 5769 -> 4019 us, where the backward's other
+    # kernels are faster at four: fwd+bwd 18.90 -> 16.11 ms. Not for the scalar-decay and plain
+    # delta rules: their fused UT step was faster (642 against 773 us at 64-token chunks), their
+    # backward's UT step at eight warps slower (gated_deltanet 6.33 -> 7.11 ms, deltanet 4.55 -> 4.86).
+    wu_warps, bwd_wy_warps = (0, 4)
+    if dtype == torch.bfloat16 and spec.update == "delta" and spec.decay == "vector":
+        wu_warps, bwd_wy_warps = 4, 8
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
-        chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, states_BV=states_BV,
+        chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
         maxnreg=MAXNREG,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
+        bwd_wy_warps=bwd_wy_warps,
         bwd_stages=bwd_stages,
         bwd_ds_stages=bwd_stages,
     ))
@@ -485,9 +499,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # go to wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The
         # forward's other steps and the additive rules' backward were verified at 64-token chunks
         # and four warps.
-        if spec.update == "delta" and spec.decay != "vector" and launch.prepare_warps >= 4:
+        if spec.update == "delta" and spec.decay != "vector" and max(launch.prepare_warps, launch.wu_warps) >= 4:
             fwd_chunk = min(fwd_chunk, 32)
-        if spec.update == "delta" and launch.bwd_warps >= 4:
+        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_wy_warps) >= 4:
             bwd_chunk = min(bwd_chunk, 32)
     output_BV = launch.output_BV
     if dtype == torch.bfloat16 and spec.normalize == "sum":
@@ -496,6 +510,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # H16 K = V = 128, `attngen tune`); only the default's 128 lanes are verified
         output_BV = max(output_BV, 128)
     V = lanes(call.value_dim)
+    if spec.update != "delta":
+        # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
+        launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
         output_BV=min(output_BV, V), bwd_chunk=bwd_chunk))
@@ -796,15 +813,17 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if not spec.is_linear or spec.mask == "bidirectional":
         return (), ()
     delta, norm = spec.update == "delta", spec.normalize == "sum"
-    prepare = (("chunked_ut_kernel", f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by "
-                                     f"{ut_inverse(spec)}), W, U0, the decayed keys")
-               if delta else ("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"))
+    prepare = ((("chunked_ut_kernel", f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by "
+                                      f"{ut_inverse(spec)}); W, U0, the decayed keys too where the launch's wu_warps is 0"),
+                ("chunked_wu_kernel", "chunk-parallel, where the launch's wu_warps > 0: W, U0, the decayed keys "
+                                      "from the stored (I + A)^-1, at those warps"))
+               if delta else (("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"),))
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else ""))
-    forward = (prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
+    forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
-    backward = (prepare, states)
+    backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)
     backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"),
@@ -818,8 +837,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                  ("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
                   + (", the decay gradient" if decayed else "")))
     if delta:
-        backward += (("chunked_bwd_wy_kernel", "chunk-parallel: the UT transform's backward -> dk, dv, dβ"
-                      + (", the decay gradient" if decayed else "")),)
+        backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
+                      "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)
     return forward, backward
 
 

@@ -2,7 +2,7 @@
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
     python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--group 1] [--bwd]
-        [--launch "knob=value,..."]
+        [--launch "knob=value,..."] [--ptx DIR]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -11,6 +11,9 @@ Triton of the GPU machine (its ptxas ships in the wheel); TRITON_INTERPRET must 
 Triton cache each run, so the times are compilations. --launch sets chunked launch knobs after the
 planner fitted its launch (bench/probe_launch.py's variants: its clamps bypassed, the stages
 refitted), e.g. to see the registers and spills of a launch before it is timed on the GPU.
+--ptx DIR writes each kernel's PTX there (its debug sections and line records cut: they name the
+source lines), so that two versions of the templates can be held to the same code (`diff -r`)
+where a change should leave a kernel as it was.
 """
 from __future__ import annotations
 
@@ -75,6 +78,7 @@ def main():
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
+    p.add_argument("--ptx", default=None, metavar="DIR", help="write each kernel's PTX (no debug sections) into DIR")
     args = p.parse_args()
     if args.launch:
         # probe_launch's variants: knobs set over the fitted launch (planner.fit_chunked, patched there)
@@ -119,8 +123,16 @@ def main():
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
-    for seconds, name, kernel in compiled:
+    if args.ptx:
+        Path(args.ptx).mkdir(parents=True, exist_ok=True)
+    for i, (seconds, name, kernel) in enumerate(compiled):
         md = kernel.metadata
+        if args.ptx and "ptx" in kernel.asm:
+            ptx = kernel.asm["ptx"]
+            ptx = ptx[:ptx.index(".section\t.debug")] if ".section\t.debug" in ptx else ptx
+            ptx = "".join(line for line in ptx.splitlines(keepends=True)
+                          if not line.lstrip().startswith((".loc", ".file")))
+            (Path(args.ptx) / f"{i:02d}_{name}.ptx").write_text(ptx)
         info = ""
         if ptxas.exists() and "ptx" in kernel.asm:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as tmp:

@@ -451,6 +451,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      (I + A)^-1, A = strict_tril(diag(β) K diag(Γ_t/Γ_s) K^T), by 16-token blocks, stored; then,
 #      from its rows read back whole, W = (I + A)^-1 diag(β) (K ⊙ Γ), U0 = (I + A)^-1 diag(β) V,
 #      the keys of the state update K ⊙ Γ_C/Γ: all the chunk-local work of the delta rule
+#      (W, U0 and the keys in a second kernel, chunked_wu_kernel, where the launch's wu_warps > 0)
 #   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c,
 #      the written values U = U0 - W S_c (over U0),
@@ -528,14 +529,15 @@ def chunked_ut_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, FUSED_WU: tl.constexpr,
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
     #   L^-1_ii = (I + A_ii)^-1 (forward substitution, 16 rows), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
     # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
-    # Then W, U0, K ⊙ Γ_C/Γ for the state pass, from the stored rows read back as one
-    # [BT, BT] tile (its dots at the chunk's full width, not 16-row blocks).
+    # Then, with FUSED_WU (else chunked_wu_kernel does it), W, U0, K ⊙ Γ_C/Γ for the state
+    # pass, from the stored rows read back as one [BT, BT] tile (its dots at the chunk's full width,
+    # not 16-row blocks).
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -690,9 +692,71 @@ def chunked_ut_kernel(
         tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai32, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], chunked_cast(b_Ai33, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
 
-    # ---- the chunk's W, U0 and keys for the state pass
-    # every thread's rows of (I + A)^-1 stored above are visible to all threads past this barrier
-    tl.debug_barrier()
+    if FUSED_WU:
+        # ---- the chunk's W, U0 and keys for the state pass
+        # every thread's rows of (I + A)^-1 stored above are visible to all threads past this barrier
+        tl.debug_barrier()
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_i = tl.arange(0, BT)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T_seq
+        o_tok = (bos + o_t) * H + i_h
+        m_tf = m_t[:, None] & m_f[None, :]
+        # [BT, BK] -> [BT, BF]
+        b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+
+        # [BT, BF] the keys of the state update
+        tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
+        # [BT] (0 on padded tokens)
+        b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
+        # [BT, BF] diag(β) K
+        b_y = b_k * b_beta[:, None]
+        # [BT, BT]
+        b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+        # [BT, BF] W = (I + A)^-1 diag(β) (K)
+        b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
+        tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
+        # [BT, BV] U0 = (I + A)^-1 diag(β) V, by value blocks
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_u = chunked_dot(b_Ai, b_v * b_beta[:, None], DOT_PRECISION)
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def chunked_wu_kernel(
+    # pointers
+    k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+):
+    # the UT step's second kernel, where the launch splits it (wu_warps > 0): one program per chunk
+    # slot and head, from the rows of (I + A)^-1 chunked_ut_kernel stored, W, U0, K ⊙ Γ_C/Γ
+    # for the state pass, at warps of their own (the inverse's 16-row blocks and these [BT, BT] dots
+    # are fastest at different warps, and apart neither spills)
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_i = tl.arange(0, BT)
     o_t = i_c * BT + o_i
@@ -903,8 +967,8 @@ def chunked_qk_group(q, v):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_stages bwd_ds_stages"  # bwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "bwd_chunk bwd_warps bwd_wy_warps bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -982,11 +1046,13 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     ai = torch.empty(B, T, H, chunk, **tiles)
     w, kr, u = torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, V, **tiles)
     gc = None
-    chunked_ut_kernel[(n_slots, H)](
-        k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
-        T, H, K, V, F, K ** -0.25, F ** -0.5, BV=BV, QK_GROUP=chunked_qk_group(q, v), num_warps=launch.prepare_warps,
-        maxnreg=launch.maxnreg, **meta,
-    )
+    ut_args = (k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
+               T, H, K, V, F, K ** -0.25, F ** -0.5)
+    ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), maxnreg=launch.maxnreg, **meta)
+    chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps, **ut_meta)
+    if launch.wu_warps:
+        # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps)
+        chunked_wu_kernel[(n_slots, H)](*ut_args, num_warps=launch.wu_warps, **ut_meta)
     h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
@@ -1523,12 +1589,12 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, g, omega, do, st.u, st.h, ds, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
-    # step 5: the UT transform's backward -> dk, dv, dβ
+    # step 5: the UT transform's backward -> dk, dv, dβ, at warps of its own (launch.bwd_wy_warps)
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = None
     chunked_bwd_wy_kernel[(st.n_slots, H)](
         k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
-        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, num_warps=launch.bwd_wy_warps),
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 

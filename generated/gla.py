@@ -765,8 +765,8 @@ def chunked_qk_group(q, v):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_stages bwd_ds_stages"  # bwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "bwd_chunk bwd_warps bwd_wy_warps bwd_stages bwd_ds_stages"  # bwd
 ))
 
 

@@ -113,7 +113,7 @@ def test_explain_names_the_backend_of_this_machine(tmp_path):
            "interpreter on the CPU)" in tail, out.stdout
     assert "float64 inputs: torch, chunked C=64 (float64 inputs of linear attention run the PyTorch forms: " \
            "the linear kernels compute in float32" in tail, out.stdout
-    assert "chunked kernel launch, float32: chunk=64 BV=16 prepare_warps=4 states_BV=16 states_warps=4" in out.stdout, \
+    assert "chunked kernel launch, float32: chunk=64 BV=16 prepare_warps=4 wu_warps=0 states_BV=16 states_warps=4" in out.stdout, \
         out.stdout
 
 

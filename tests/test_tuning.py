@@ -74,10 +74,14 @@ def test_defaults_are_the_measured_launches():
     128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
-        chunk=64, BV=32, prepare_warps=2, states_BV=64, states_warps=4, stages=3, output_BV=128, output_warps=4,
-        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=3)
+        chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_stages=3, bwd_ds_stages=3)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
+    # vector decay: W, U0 and the keys as a kernel of their own at four warps, the backward's UT
+    # step at eight; the additive rules have neither kernel
+    assert (default(call, spec=KDA).wu_warps, default(call, spec=KDA).bwd_wy_warps) == (4, 8)
+    assert all((default(call, spec=s).wu_warps, default(call, spec=s).bwd_wy_warps) == (0, 4) for s in (MAMBA2, GLA))
     # bf16 scalar and constant decay of the additive rule with no feature map, l2 norm or normalizer
     # (Mamba2, RetNet): a backward of 64-token chunks, its two state passes unpipelined
     fast = default(call, spec=MAMBA2)
@@ -90,8 +94,8 @@ def test_defaults_are_the_measured_launches():
     assert default(call, torch.float32, spec=MAMBA2).bwd_chunk == 32
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
-        chunk=64, BV=32, prepare_warps=4, states_BV=32, states_warps=4, stages=2, output_BV=32, output_warps=4,
-        maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_stages=3, bwd_ds_stages=2)
+        chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     assert default(linear_call(K=64, V=64), torch.float16).BV == 64
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
@@ -129,6 +133,14 @@ def test_fit_holds_a_launch_to_the_call():
     warpgroup = planner.fit_chunked(GDN, linear_call(), torch.bfloat16,
                                     dataclasses.replace(wide, prepare_warps=4, bwd_warps=8))
     assert (warpgroup.chunk, warpgroup.bwd_chunk) == (32, 32)
+    # so do the UT step's second kernel and the backward's UT step at four warps or more
+    split = planner.fit_chunked(GDN, linear_call(), torch.bfloat16,
+                                dataclasses.replace(wide, prepare_warps=2, wu_warps=4, bwd_warps=2, bwd_wy_warps=8))
+    assert (split.chunk, split.bwd_chunk) == (32, 32)
+    # an additive rule has no UT step: its knobs are held where a search does not move them
+    additive = planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, dataclasses.replace(wide, wu_warps=4,
+                                                                                              bwd_wy_warps=8))
+    assert (additive.wu_warps, additive.bwd_wy_warps) == (0, 4)
     assert planner.fit_chunked(GDN, linear_call(), torch.float16, dataclasses.replace(wide, prepare_warps=4)).chunk == 64
     # the forward's other steps, and a vector-decay rule's UT step, keep 64-token chunks at four warps
     # or more (verified on the H200)
@@ -188,6 +200,52 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
     assert all(launches[-1][n] == value for n, value in knobs.items()), launches[-1]
     assert any(launches[0][n] != value for n, value in knobs.items())
     assert rel_error(got, want) < 1e-5
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda"])
+def test_the_ut_steps_split_and_warps_reach_the_kernels(name, monkeypatch):
+    """wu_warps > 0 launches the UT step as two kernels (the inverse, then chunked_wu_kernel at those
+    warps) in the forward and in the backward's recomputation, 0 as one; bwd_wy_warps is the warps of
+    the backward's UT step. Both ways give the same outputs and gradients, bit for bit (the same
+    operations on the same values)."""
+    op = attngen.load(SPECS / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=40, heads=1, head_dim=16, value_dim=16), dtype=torch.float32,
+                           initial_state=False)
+    form, ints = kernel_launch(op, inputs)
+    base = dataclasses.replace(planner.ChunkedLaunch(*ints), chunk=32, bwd_chunk=32)
+    launches = []
+    for kernel in ("chunked_ut_kernel", "chunked_wu_kernel", "chunked_bwd_wy_kernel"):
+        real = getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, kernel=kernel):
+                def launch(*args, **kwargs):
+                    launches.append((kernel, kwargs.get("FUSED_WU"), kwargs["num_warps"]))
+                    return real[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(module, kernel, Spy())
+    names = [n for n in ("q", "k", "v", "g", "beta") if inputs.get(n) is not None]
+
+    def run(launch):
+        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in names}
+        args = [leaves.get(n) for n in ("q", "k", "v", "g", "beta")]
+        o = module.op(*args, None, None, None, 0.25, form, launch.ints(), False)[0]
+        grads = torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
+        return [o.detach(), *grads]
+
+    fused = run(dataclasses.replace(base, wu_warps=0, bwd_wy_warps=4))
+    assert [k for k, *_ in launches] == ["chunked_ut_kernel", "chunked_ut_kernel", "chunked_bwd_wy_kernel"]
+    assert launches[0][1] is True and launches[-1][2] == 4
+    launches.clear()
+    split = run(dataclasses.replace(base, wu_warps=2, bwd_wy_warps=8))
+    assert launches == [("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
+                        ("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
+                        ("chunked_bwd_wy_kernel", None, 8)]
+    for a, b in zip(split, fused):
+        assert torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------- keys and lookups
