@@ -746,6 +746,7 @@ class KernelSpec:
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
     log_decay_floor: float          # log decays are raised to it where the kernels load them
+    log_decay_floor32: float        # ... and to it where a kernel sums them in float32 (LOG_DECAY_FLOOR32)
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
@@ -759,6 +760,13 @@ class KernelSpec:
 # kernels take the pairs by offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for
 # any decay.
 DECAY_SPAN = 40.0
+
+# The floor of log decays the chunked kernels sum in float32 (their cumulative log decays for 16-bit
+# inputs: templates' chunked_decay_dtype). Below about -104, exp underflows to 0 in float32, where
+# the kernels take every exp, so it leaves results as LOG_DECAY_FLOOR does; at -1e4, a chunk of
+# resets would sum to -6.4e5, whose float32 spacing (0.06) would put 6% errors into the pair factors
+# exp(G_t - G_s) of its later tokens; at -200 the sums stay within 64 x 200 = 12800, spacing 2^-10.
+LOG_DECAY_FLOOR32 = -200.0
 
 
 def ut_inverse(spec: Spec) -> str:
@@ -789,7 +797,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, decay_span=DECAY_SPAN,
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, log_decay_floor32=LOG_DECAY_FLOOR32, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 

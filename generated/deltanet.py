@@ -469,7 +469,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no
-# l2 norm, feature map or float64 cumsum on its critical path.
+# l2 norm, feature map or cumsum of log decays on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -529,7 +529,7 @@ def chunked_ut_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, FUSED_WU: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, FUSED_WU: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
@@ -735,7 +735,7 @@ def chunked_wu_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # the UT step's second kernel, where the launch splits it (wu_warps > 0): one program per chunk
     # slot and head, from the rows of (I + A)^-1 chunked_ut_kernel stored, W, U0, K ⊙ Γ_C/Γ
@@ -872,7 +872,7 @@ def chunked_output_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
     # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
     QK_GROUP: tl.constexpr = 1,
 ):
@@ -931,6 +931,16 @@ def chunked_dot_precision(dtype):
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
+
+
+def chunked_decay_dtype(dtype):
+    """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
+    decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
+    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
+    (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
+    kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
+    return tl.float32 if dtype in (torch.bfloat16, torch.float16) else tl.float64
 
 
 def chunk_slots(cu_seqlens, B, T, chunk):
@@ -1048,7 +1058,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     gc = None
     ut_args = (k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
                T, H, K, V, F, K ** -0.25, F ** -0.5)
-    ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), maxnreg=launch.maxnreg, **meta)
+    ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), maxnreg=launch.maxnreg,
+                   **meta)
     chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps, **ut_meta)
     if launch.wu_warps:
         # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps)
@@ -1083,8 +1094,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=chunked_qk_group(q, v), num_warps=launch.output_warps,
-        maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
@@ -1141,7 +1152,7 @@ def chunked_bwd_du_local_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg)
@@ -1271,7 +1282,7 @@ def chunked_bwd_dq_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq
@@ -1347,7 +1358,7 @@ def chunked_bwd_dk_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # step 4's shares of dk̂
@@ -1422,7 +1433,7 @@ def chunked_bwd_wy_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
     # dW = -dU h_c^T -> dv, dβ, dk
@@ -1562,7 +1573,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4, 43 KB and 98 KB in step 5, whose fp32 dots stage 98 KB with one stage already)
-    parallel = dict(BK=BK, num_stages=2, **meta)
+    parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # step 2: the intra-chunk dU (completed in place by step 3) and the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **tiles), torch.empty(B, T, H, F, **tiles)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](

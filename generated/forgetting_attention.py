@@ -45,10 +45,16 @@ def interpreted():
 @triton.jit
 def floor_log_decay(x):
     # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
-    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
-    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
-    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
-    return tl.where(x < -10000.0, -10000.0, x)
+    # is loaded (forms.LOG_DECAY_FLOOR), to -200.0 where the sum is taken in float32
+    # (planner.LOG_DECAY_FLOOR32): exp underflows to exactly 0 below either in float32 (and below
+    # -10000.0 in float64), and log decays are <= 0, so a sum with a floored term is too:
+    # results are unchanged, while a reset (g = -inf) no longer makes a difference of cumulative log
+    # decays -inf - -inf = NaN; NaN stays NaN
+    if x.dtype == tl.float64:
+        y = tl.where(x < -10000.0, -10000.0, x)
+    else:
+        y = tl.where(x < -200.0, -200.0, x)
+    return y
 
 # ---------------------------------------------------------------------------- softmax forward
 # FlashAttention-2 forward. One program per (query block, sequence x head) keeps its query

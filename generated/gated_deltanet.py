@@ -44,10 +44,16 @@ def interpreted():
 @triton.jit
 def floor_log_decay(x):
     # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
-    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
-    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
-    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
-    return tl.where(x < -10000.0, -10000.0, x)
+    # is loaded (forms.LOG_DECAY_FLOOR), to -200.0 where the sum is taken in float32
+    # (planner.LOG_DECAY_FLOOR32): exp underflows to exactly 0 below either in float32 (and below
+    # -10000.0 in float64), and log decays are <= 0, so a sum with a floored term is too:
+    # results are unchanged, while a reset (g = -inf) no longer makes a difference of cumulative log
+    # decays -inf - -inf = NaN; NaN stays NaN
+    if x.dtype == tl.float64:
+        y = tl.where(x < -10000.0, -10000.0, x)
+    else:
+        y = tl.where(x < -200.0, -200.0, x)
+    return y
 
 
 @triton.jit
@@ -501,7 +507,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features); the state pass reads the keys chunked_ut_kernel stored.
-# G [BT] is the cumulative log decay inside the chunk, in float64: only exp of differences
+# G [BT] is the cumulative log decay inside the chunk, in G_DTYPE (float64, float32 for 16-bit
+# inputs: chunked_decay_dtype): only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
 # Memory: the chunk-start states [chunk slots, H, F, VS] float32,
 # (I + A)^-1 [B, T, H, BT], W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V], Γ_C [chunk slots, H] float32
@@ -511,7 +518,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no
-# l2 norm, feature map or float64 cumsum on its critical path.
+# l2 norm, feature map or cumsum of log decays on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -571,7 +578,7 @@ def chunked_ut_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, FUSED_WU: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, FUSED_WU: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
@@ -615,8 +622,8 @@ def chunked_ut_kernel(
     b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
-    # [16] cumulative log decay from the chunk's start, float64
-    b_g0 = floor_log_decay(tl.load(g + o_tok0, mask=m_t0, other=0.0).to(tl.float64))
+    # [16] cumulative log decay from the chunk's start (G_DTYPE)
+    b_g0 = floor_log_decay(tl.load(g + o_tok0, mask=m_t0, other=0.0).to(G_DTYPE))
     b_G0 = tl.cumsum(b_g0, 0) + b_carry
     b_carry += tl.sum(b_g0, 0)
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
@@ -649,8 +656,8 @@ def chunked_ut_kernel(
         b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
-        # [16] cumulative log decay from the chunk's start, float64
-        b_g1 = floor_log_decay(tl.load(g + o_tok1, mask=m_t1, other=0.0).to(tl.float64))
+        # [16] cumulative log decay from the chunk's start (G_DTYPE)
+        b_g1 = floor_log_decay(tl.load(g + o_tok1, mask=m_t1, other=0.0).to(G_DTYPE))
         b_G1 = tl.cumsum(b_g1, 0) + b_carry
         b_carry += tl.sum(b_g1, 0)
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
@@ -687,8 +694,8 @@ def chunked_ut_kernel(
         b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
-        # [16] cumulative log decay from the chunk's start, float64
-        b_g2 = floor_log_decay(tl.load(g + o_tok2, mask=m_t2, other=0.0).to(tl.float64))
+        # [16] cumulative log decay from the chunk's start (G_DTYPE)
+        b_g2 = floor_log_decay(tl.load(g + o_tok2, mask=m_t2, other=0.0).to(G_DTYPE))
         b_G2 = tl.cumsum(b_g2, 0) + b_carry
         b_carry += tl.sum(b_g2, 0)
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
@@ -728,8 +735,8 @@ def chunked_ut_kernel(
         b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
-        # [16] cumulative log decay from the chunk's start, float64
-        b_g3 = floor_log_decay(tl.load(g + o_tok3, mask=m_t3, other=0.0).to(tl.float64))
+        # [16] cumulative log decay from the chunk's start (G_DTYPE)
+        b_g3 = floor_log_decay(tl.load(g + o_tok3, mask=m_t3, other=0.0).to(G_DTYPE))
         b_G3 = tl.cumsum(b_g3, 0) + b_carry
         b_carry += tl.sum(b_g3, 0)
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
@@ -773,7 +780,7 @@ def chunked_ut_kernel(
         o_tok = (bos + o_t) * H + i_h
         m_tf = m_t[:, None] & m_f[None, :]
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -815,7 +822,7 @@ def chunked_wu_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # the UT step's second kernel, where the launch splits it (wu_warps > 0): one program per chunk
     # slot and head, from the rows of (I + A)^-1 chunked_ut_kernel stored, W, U0, K ⊙ Γ_C/Γ and Γ_C
@@ -844,7 +851,7 @@ def chunked_wu_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -963,7 +970,7 @@ def chunked_output_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
     # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
     QK_GROUP: tl.constexpr = 1,
 ):
@@ -1004,7 +1011,7 @@ def chunked_output_kernel(
     b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1031,6 +1038,16 @@ def chunked_dot_precision(dtype):
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
+
+
+def chunked_decay_dtype(dtype):
+    """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
+    decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
+    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
+    (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
+    kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
+    return tl.float32 if dtype in (torch.bfloat16, torch.float16) else tl.float64
 
 
 def chunk_slots(cu_seqlens, B, T, chunk):
@@ -1148,7 +1165,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     gc = torch.empty(n_slots, H, **f32)
     ut_args = (k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
                T, H, K, V, F, K ** -0.25, F ** -0.5)
-    ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), maxnreg=launch.maxnreg, **meta)
+    ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), maxnreg=launch.maxnreg,
+                   **meta)
     chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps, **ut_meta)
     if launch.wu_warps:
         # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps)
@@ -1183,8 +1201,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=chunked_qk_group(q, v), num_warps=launch.output_warps,
-        maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
@@ -1250,7 +1268,7 @@ def chunked_bwd_du_local_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
@@ -1291,7 +1309,7 @@ def chunked_bwd_du_local_kernel(
     b_qt = b_qt * tl.rsqrt(tl.sum(b_qt * b_qt, 0) + 1e-06)[None, :]
     b_qt = b_qt * scale
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1387,7 +1405,7 @@ def chunked_bwd_dq_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms for step 4b (dgq)
@@ -1444,7 +1462,7 @@ def chunked_bwd_dq_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1475,7 +1493,7 @@ def chunked_bwd_dk_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # step 4's shares of dk̂ and of the decay gradient (with step 4a's query terms)
@@ -1539,7 +1557,7 @@ def chunked_bwd_dk_kernel(
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1553,11 +1571,11 @@ def chunked_bwd_dk_kernel(
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(b_dPt * b_Dt, b_qs, DOT_PRECISION, b_dk)
     b_dki = b_uds * b_gam_rest[:, None]
-    # the decay gradient's P and state terms (float64): the reverse sum inside the chunk of
+    # the decay gradient's P and state terms (G_DTYPE): the reverse sum inside the chunk of
     # q̂ ⊙ dq̂ (step 4a's) - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_dgs = tl.load(dgq + o_tok, mask=m_t, other=0.0).to(tl.float64) - tl.sum(b_k * b_dk, 1).to(tl.float64)
-    b_dgi = tl.sum(b_k * b_dki, 1).to(tl.float64)
-    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(tl.float64)
+    b_dgs = tl.load(dgq + o_tok, mask=m_t, other=0.0).to(G_DTYPE) - tl.sum(b_k * b_dk, 1).to(G_DTYPE)
+    b_dgi = tl.sum(b_k * b_dki, 1).to(G_DTYPE)
+    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(G_DTYPE)
     tl.store(dg_part + o_tok, b_dg.to(tl.float32), mask=m_t)
     # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
     tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
@@ -1572,7 +1590,7 @@ def chunked_bwd_wy_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
     # dW = -dU h_c^T -> dv, dβ, dk, dg
@@ -1644,7 +1662,7 @@ def chunked_bwd_wy_kernel(
     b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(tl.float64))
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)
     b_GC = tl.sum(b_g, 0)
     # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
@@ -1679,9 +1697,9 @@ def chunked_bwd_wy_kernel(
     b_dAkt = b_dAt * b_beta[None, :]
     b_dka = chunked_dot(b_dAkt * b_Dt, b_k_hat, DOT_PRECISION, b_dka)
     # the decay gradient: A's and Y's terms, the reverse sum inside the chunk of k̂ ⊙ (dk̂r - dk̂'), and step 4's
-    b_dgs = tl.sum(b_k_hat * (b_dkr - b_dka), 1).to(tl.float64)
+    b_dgs = tl.sum(b_k_hat * (b_dkr - b_dka), 1).to(G_DTYPE)
     b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs
-    b_dg += tl.load(dg_part + o_tok, mask=m_t, other=0.0).to(tl.float64)
+    b_dg += tl.load(dg_part + o_tok, mask=m_t, other=0.0).to(G_DTYPE)
     tl.store(dg + o_tok, b_dg.to(dg.dtype.element_ty), mask=m_t)
     # [BT, BF] dk̂, with step 4's share -> the gradient of the raw keys
     b_dk = tl.load(dk_part + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0) + b_dkr + b_dka
@@ -1725,7 +1743,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4, 43 KB and 98 KB in step 5, whose fp32 dots stage 98 KB with one stage already)
-    parallel = dict(BK=BK, num_stages=2, **meta)
+    parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # step 2: the intra-chunk dU (completed in place by step 3) and the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **tiles), torch.empty(B, T, H, F, **tiles)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](

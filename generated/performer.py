@@ -511,7 +511,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with one dot, no
-# l2 norm, feature map or float64 cumsum on its critical path.
+# l2 norm, feature map or cumsum of log decays on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -571,6 +571,7 @@ def chunked_keys_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, QK_GROUP: tl.constexpr,
+    G_DTYPE: tl.constexpr,
 ):
     # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
     # (feature map), so the sequential pass only multiplies
@@ -701,7 +702,7 @@ def chunked_output_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
     # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
     QK_GROUP: tl.constexpr = 1,
 ):
@@ -783,6 +784,16 @@ def chunked_dot_precision(dtype):
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
+
+
+def chunked_decay_dtype(dtype):
+    """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
+    decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
+    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
+    (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
+    kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
+    return tl.float32 if dtype in (torch.bfloat16, torch.float16) else tl.float64
 
 
 def chunk_slots(cu_seqlens, B, T, chunk):
@@ -897,7 +908,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
-        num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
+        G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
     h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
@@ -929,8 +940,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=chunked_qk_group(q, v), num_warps=launch.output_warps,
-        maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -990,7 +1001,7 @@ def chunked_bwd_du_local_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg)
@@ -1184,7 +1195,7 @@ def chunked_bwd_dq_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq
@@ -1274,7 +1285,7 @@ def chunked_bwd_dk_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # dk
@@ -1389,7 +1400,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4)
-    parallel = dict(BK=BK, num_stages=2, **meta)
+    parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # the output gradient [do / n, c] on the values [v, 1], from the forward's output kernel: dO = do / n
     # (chunked_pass_dtype: it only enters dots, which round it so), n and the value blocks' shares of
     # c; the kernels below carry the ones column as vectors. The output kernel runs with its own
@@ -1404,7 +1415,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, None, st.h, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=launch.output_warps, maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.output_warps,
+        maxnreg=launch.maxnreg,
     )
     c = c_part[0] if c_part.shape[0] == 1 else c_part.sum(0)
     do = do_n

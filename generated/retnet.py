@@ -44,10 +44,16 @@ def interpreted():
 @triton.jit
 def floor_log_decay(x):
     # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
-    # is loaded (forms.LOG_DECAY_FLOOR): exp underflows to exactly 0 below it in float32 and
-    # float64, so results are unchanged, while a reset (g = -inf) no longer makes a difference of
-    # cumulative log decays -inf - -inf = NaN; NaN stays NaN
-    return tl.where(x < -10000.0, -10000.0, x)
+    # is loaded (forms.LOG_DECAY_FLOOR), to -200.0 where the sum is taken in float32
+    # (planner.LOG_DECAY_FLOOR32): exp underflows to exactly 0 below either in float32 (and below
+    # -10000.0 in float64), and log decays are <= 0, so a sum with a floored term is too:
+    # results are unchanged, while a reset (g = -inf) no longer makes a difference of cumulative log
+    # decays -inf - -inf = NaN; NaN stays NaN
+    if x.dtype == tl.float64:
+        y = tl.where(x < -10000.0, -10000.0, x)
+    else:
+        y = tl.where(x < -200.0, -200.0, x)
+    return y
 
 
 @triton.jit
@@ -453,7 +459,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features); the state pass reads the keys chunked_keys_kernel stored.
-# G [BT] is the cumulative log decay inside the chunk, in float64: only exp of differences
+# G [BT] is the cumulative log decay inside the chunk, in G_DTYPE (float64, float32 for 16-bit
+# inputs: chunked_decay_dtype): only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
 # Memory: the chunk-start states [chunk slots, H, F, VS] float32,
 # K ⊙ Γ_C/Γ [B, T, H, F], Γ_C [chunk slots, H] float32 (bf16 for bf16 inputs, else float32: chunked_pass_dtype)
@@ -461,7 +468,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with one dot, no
-# l2 norm, feature map or float64 cumsum on its critical path.
+# l2 norm, feature map or cumsum of log decays on its critical path.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
@@ -521,6 +528,7 @@ def chunked_keys_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, QK_GROUP: tl.constexpr,
+    G_DTYPE: tl.constexpr,
 ):
     # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
     # (feature map, ⊙ Γ_C/Γ) and Γ_C, so the sequential pass only multiplies
@@ -540,7 +548,7 @@ def chunked_keys_kernel(
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     m_k, m_f = o_k < K, o_f < F
-    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
+    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_i = tl.arange(0, BT)
     o_t = i_c * BT + o_i
@@ -644,7 +652,7 @@ def chunked_output_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
     # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
     QK_GROUP: tl.constexpr = 1,
 ):
@@ -672,7 +680,7 @@ def chunked_output_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     # [BT, BT] token s may reach token t of the same chunk: s <= t
     m_causal = o_i[:, None] >= o_i[None, :]
-    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
+    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
@@ -713,6 +721,16 @@ def chunked_dot_precision(dtype):
     if dtype == torch.bfloat16:
         return "bf16_emulated" if interpreted() else "bf16"
     return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
+
+
+def chunked_decay_dtype(dtype):
+    """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
+    decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
+    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
+    (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
+    kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
+    return tl.float32 if dtype in (torch.bfloat16, torch.float16) else tl.float64
 
 
 def chunk_slots(cu_seqlens, B, T, chunk):
@@ -830,7 +848,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
-        num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
+        G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
     h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
@@ -862,8 +880,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=chunked_qk_group(q, v), num_warps=launch.output_warps,
-        maxnreg=launch.maxnreg,
+        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
     return o, st.ht
 # ---------------------------------------------------------------------------- chunked backward
@@ -925,7 +943,7 @@ def chunked_bwd_du_local_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
@@ -956,7 +974,7 @@ def chunked_bwd_du_local_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
+    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
     # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
@@ -1062,7 +1080,7 @@ def chunked_bwd_dq_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms for step 4b (dgq)
@@ -1093,7 +1111,7 @@ def chunked_bwd_dq_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
+    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
 
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
     # after this loop, which does not read them: they would hold registers through it)
@@ -1151,7 +1169,7 @@ def chunked_bwd_dk_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # dk, the chunk's share of the decay gradient
@@ -1182,7 +1200,7 @@ def chunked_bwd_dk_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    b_gc = floor_log_decay(tl.load(g + i_h).to(tl.float64))
+    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
 
     # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T, [BF] sum_v h_c ⊙ dS (the queries,
     # keys and decays are loaded after this loop)
@@ -1282,7 +1300,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # The chunk-parallel steps loop over value blocks: two pipeline stages load the next block's tiles
     # while this one's multiply (at K = V = 128, 41 KB of shared memory for bf16 inputs and 49 KB for
     # fp32 in step 4)
-    parallel = dict(BK=BK, num_stages=2, **meta)
+    parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
     u = v.to(chunked_pass_dtype(q.dtype))
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and

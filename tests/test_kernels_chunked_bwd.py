@@ -281,3 +281,24 @@ def test_any_legal_spec_gradients(spec_dict, shape, initial_state):
         if name == "dg" and op.spec.decay == "constant":
             continue
         assert err <= tol, f"{name}: rel err {err:.2e} > tol {tol:.2e}"
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "mamba2", "gla"])
+def test_16bit_decay_sums_through_resets(kernel_backward, name):
+    """16-bit inputs sum their log decays in float32 (the templates' chunked_decay_dtype), each floored
+    at planner.LOG_DECAY_FLOOR32: a chunk whose first 56 tokens reset (g = -inf in the outputs;
+    g = -300, below that floor, with the gradients, whose oracle is finite there) and whose last 8
+    decay as drawn holds bf16's tolerance in the outputs, final state and every gradient. Floored at
+    -1e4 instead, the resets sum to -5.6e5, whose float32 spacing (2^-5) rounds the last tokens'
+    factors exp(G_t - G_s): the final states of mamba2 and gla then miss bf16's tolerance."""
+    op, calls = kernel_backward(SPECS[name])
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=64, heads=1, head_dim=16, value_dim=16), seed=3)
+    fn = lambda **kw: op(**kw, form="chunked", chunk_size=64)  # noqa: E731
+    failures = []
+    for g_reset, with_grads in ((float("-inf"), False), (-300.0, True)):
+        g = inputs["g"].clone()
+        g[:, :56] = g_reset
+        rows = compare(op.spec, fn, {**inputs, "g": g}, torch.bfloat16, with_grads=with_grads)
+        failures += [f"g = {g_reset} {n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert calls, "the generated chunked backward did not run"
+    assert not failures, "\n".join(failures)
