@@ -14,7 +14,8 @@ kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUD
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
   at that chunk, or the default, silently.
 Tables made on another GPU or Triton version are ignored with a warning (the shipped ones of
-other GPUs silently); a table that cannot be read is an error naming its file.
+other GPUs silently), and so are entries whose launch knobs are not this version's (a table an
+earlier attngen wrote); a table that cannot be read is an error naming its file.
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ SHIPPED = Path(__file__).with_name("tables")
 
 class TableError(ValueError):
     """A tuning table that cannot be used (unreadable, not JSON, wrong fields or values)."""
+
+
+class StaleEntry(ValueError):
+    """A table entry whose launch knobs are another attngen version's (a knob added or removed since)."""
 
 
 def tune_dir() -> Path:
@@ -176,6 +181,7 @@ class Entry:
 class Table:
     machine: Machine
     entries: tuple[Entry, ...]
+    stale: int = 0      # entries left out: their launch knobs are another attngen version's (StaleEntry)
 
     def to_json(self) -> dict:
         return {"attngen_tuning_table": TABLE_FORMAT, "gpu": self.machine.gpu,
@@ -211,13 +217,15 @@ def read_table(path: Path) -> Table:
     rows = data.get("entries")
     if not isinstance(rows, list):
         raise bad(f"field 'entries' must be a list, got {type(rows).__name__}")
-    entries = []
+    entries, stale = [], 0
     for i, row in enumerate(rows):
         try:
             entries.append(_entry(row))
+        except StaleEntry:
+            stale += 1
         except (TypeError, ValueError, KeyError) as e:
             raise bad(f"entry {i}: {e}") from None
-    return Table(Machine(**header), tuple(entries))
+    return Table(Machine(**header), tuple(entries), stale)
 
 
 def _entry(row) -> Entry:
@@ -239,8 +247,10 @@ def _entry(row) -> Entry:
         raise ValueError(f"dtype {row['dtype']!r} is not allowed; allowed: float32, bfloat16, float16, float64")
     cls = planner.LAUNCHES[kernel]
     launch = row["launch"]
-    if not isinstance(launch, dict) or set(launch) != set(cls.knobs()):
-        raise ValueError(f"launch: expected the knobs {', '.join(cls.knobs())}, got {launch!r}")
+    if not isinstance(launch, dict):
+        raise TypeError(f"launch: expected an object of the knobs {', '.join(cls.knobs())}, got {launch!r}")
+    if set(launch) != set(cls.knobs()):
+        raise StaleEntry(f"launch knobs {', '.join(launch)}; this version's: {', '.join(cls.knobs())}")
     times = [row.get(n) for n in ("ms", "default_ms")]
     for name, t in zip(("ms", "default_ms"), times):
         if t is not None and not (isinstance(t, dict) and all(
@@ -307,6 +317,10 @@ def _tables(mach: Machine, user_dir: Path) -> dict[Key, tuple[Entry, Path]]:
                                f"{table.machine.describe()}, and this is {mach.describe()}. `attngen tune` "
                                "tunes for this one.")
                 continue
+            if table.stale:
+                _warn_once(("stale", path), f"attngen: ignoring {table.stale} of the {table.stale + len(table.entries)} "
+                           f"entries of the tuning table {path}: their launch knobs are another attngen version's "
+                           "(knobs were added or removed since they were tuned); `attngen tune` tunes them again.")
             for entry in table.entries:
                 found[entry.key] = (entry, path)
     return found

@@ -365,24 +365,52 @@ def test_tables_of_another_gpu_or_triton_are_ignored_with_a_warning():
     assert not any("Other GPU" in m for m in messages), messages
 
 
+def test_entries_of_another_versions_knobs_are_ignored_with_a_warning():
+    """A user's table written before a knob was added (or after one was removed): its entries whose
+    launch knobs are not this version's are left out with one warning naming the file and the fix,
+    and the call takes what it would take without them; the table's other entries stand."""
+    call, other = linear_call(), linear_call(T=4096)
+    tuned = dataclasses.replace(default(call), stages=1)
+    path = tuning.record([entry(call, tuned), entry(other, tuned)], FAKE)
+    data = json.loads(path.read_text())
+    old = next(row for row in data["entries"] if row["T"] == 8192)
+    for knob in ("wu_warps", "bwd_wy_warps"):
+        del old["launch"][knob]   # call's entry as an earlier attngen wrote it
+    path.write_text(json.dumps(data))
+    tuning._tables.cache_clear()
+    table = tuning.read_table(path)
+    assert (table.stale, len(table.entries)) == (1, 1)
+    assert table.entries[0].key.bucket == tuning.bucket(other)
+    with pytest.warns(UserWarning) as got:
+        chosen = resolve(call)
+    messages = [str(w.message) for w in got]
+    assert any(f"ignoring 1 of the 2 entries of the tuning table {path}: their launch knobs are another attngen "
+               "version's" in m and "`attngen tune`" in m for m in messages), messages
+    # the call's bucket is a miss now: the nearest bucket, the entry left, with the miss's warning
+    assert any("using the nearest tuned bucket" in m for m in messages), messages
+    assert chosen.launch == resolve(other).launch == tuned
+
+
 @pytest.mark.parametrize("text, error", [
     ("{not json", "is not JSON"),
     ('{"entries": []}', "is not an attngen tuning table"),
     ('{"attngen_tuning_table": 1, "gpu": "x", "capability": "9.0", "triton": "3.6.0", "entries": {}}',
      "field 'entries' must be a list"),
     ("ENTRY", "entry 0: ChunkedLaunch.chunk: 48 is not allowed"),
-    ("ENTRY-KNOB", "entry 0: launch: expected the knobs chunk, BV"),
+    ("ENTRY-LAUNCH", "entry 0: launch: expected an object of the knobs chunk, BV"),
     ("ENTRY-T", "entry 0: T: expected a power of two, got 1000"),
 ])
 def test_a_corrupt_table_is_an_error_naming_its_file(text, error):
+    """A table that cannot be read, or an entry with a value no launch takes: an error naming the
+    file, what is wrong, and what to do."""
     path = tuning.tune_dir() / "broken.json"
     path.parent.mkdir(parents=True)
     if text.startswith("ENTRY"):
         row = entry(linear_call(), default(linear_call())).to_json()
         if text == "ENTRY":
             row["launch"]["chunk"] = 48
-        elif text == "ENTRY-KNOB":
-            del row["launch"]["maxnreg"]
+        elif text == "ENTRY-LAUNCH":
+            row["launch"] = list(row["launch"].values())
         else:
             row["T"] = 1000
         text = json.dumps({**tuning.Table(FAKE, ()).to_json(), "entries": [row]})
@@ -592,7 +620,7 @@ def test_shipped_tables_are_current(path):
 
     table = tuning.read_table(path)
     assert path.name == table.machine.file_name()
-    assert table.entries
+    assert table.entries and not table.stale
     for entry in table.entries:
         assert entry.spec in SHIPPED, entry.spec
         spec = attngen.load_spec(SHIPPED[entry.spec])
