@@ -742,7 +742,7 @@ def chunked_dot_precision(dtype):
 def chunked_decay_dtype(dtype):
     """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
     decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
-    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    ones, whose outputs round to 2^-8 (bf16) or 2^-11 (fp16) relative: a chunk's sums in float32 stay
     within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
     (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
     kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""

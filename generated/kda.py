@@ -934,8 +934,8 @@ def chunked_wu_kernel(
 ):
     # the UT step's second kernel, where the launch splits it (wu_warps > 0): one program per chunk
     # slot and head, from the rows of (I + A)^-1 chunked_ut_kernel stored, W, U0, K ⊙ Γ_C/Γ and Γ_C
-    # for the state pass, at warps of their own (the inverse's 16-row blocks and these [BT, BT] dots
-    # are fastest at different warps, and apart neither spills)
+    # for the state pass, at warps of their own: the inverse's 16-row blocks and these [BT, BT] dots
+    # are fastest at different warps, and each kernel holds fewer live tiles than the two in one
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1170,7 +1170,7 @@ def chunked_dot_precision(dtype):
 def chunked_decay_dtype(dtype):
     """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
     decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
-    ones, whose outputs round to 2^-9 (bf16) or 2^-12 (fp16) relative: a chunk's sums in float32 stay
+    ones, whose outputs round to 2^-8 (bf16) or 2^-11 (fp16) relative: a chunk's sums in float32 stay
     within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
     (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
     kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
