@@ -308,6 +308,7 @@ class ChunkedLaunch(Launch):
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
     bwd_wy_warps: int = knob("bwd", "warps", (4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
+    bwd_states_BV: int = knob("bwd", "block", (16, 32, 64, 128))  # value lanes per program of the backward's sequential state-gradient pass
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
@@ -474,6 +475,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
         bwd_wy_warps=bwd_wy_warps,
+        bwd_states_BV=BV,
         bwd_stages=bwd_stages,
         bwd_ds_stages=bwd_stages,
     ))
@@ -515,7 +517,7 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
-        output_BV=min(output_BV, V), bwd_chunk=bwd_chunk))
+        output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_chunk=bwd_chunk))
 
 
 def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch) -> ChunkedLaunch:
@@ -523,7 +525,7 @@ def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch
     chunks and value blocks (pipeline_stages)."""
     BF = lanes(call.feature_dim)
     stages = lambda chunk: pipeline_stages(chunked_stage_bytes(spec, chunk, BF, launch.states_BV, dtype))  # noqa: E731
-    ds_stages = pipeline_stages(bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.BV, dtype))
+    ds_stages = pipeline_stages(bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.bwd_states_BV, dtype))
     return dataclasses.replace(
         launch, stages=min(launch.stages, stages(launch.chunk)), bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
         bwd_ds_stages=min(launch.bwd_ds_stages, ds_stages))

@@ -761,7 +761,7 @@ def chunked_qk_group(q, v):
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
     "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_wy_warps bwd_stages bwd_ds_stages"  # bwd
+    "bwd_chunk bwd_warps bwd_wy_warps bwd_states_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -1288,14 +1288,15 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
-    # step 3: the state gradient per chunk, dv, dh0 (its stages from the tiles one chunk loads:
-    # planner.bwd_states_stage_bytes)
+    # step 3: the state gradient per chunk, dv, dh0, by value blocks of its own (launch.bwd_states_BV;
+    # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, BV))](
+    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, launch.bwd_states_BV))](
         None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, **meta,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
+        **dict(meta, BV=launch.bwd_states_BV),
     )
     # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)

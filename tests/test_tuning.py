@@ -75,7 +75,8 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_stages=3, bwd_ds_stages=3)
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_states_BV=32, bwd_stages=3,
+        bwd_ds_stages=3)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
     # vector decay: W, U0 and the keys as a kernel of their own at four warps, the backward's UT
@@ -95,7 +96,8 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_stages=3, bwd_ds_stages=2)
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_states_BV=32, bwd_stages=3,
+        bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     assert default(linear_call(K=64, V=64), torch.float16).BV == 64
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
@@ -246,6 +248,46 @@ def test_the_ut_steps_split_and_warps_reach_the_kernels(name, monkeypatch):
                         ("chunked_bwd_wy_kernel", None, 8)]
     for a, b in zip(split, fused):
         assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet"])
+def test_the_backward_state_pass_takes_value_blocks_of_its_own(name, monkeypatch):
+    """bwd_states_BV is the value lanes of the backward's sequential state-gradient pass (its grid and
+    BV), apart from BV, which the chunk-parallel kernels keep; the gradients do not depend on it."""
+    op = attngen.load(SPECS / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=40, heads=1, head_dim=16, value_dim=32), dtype=torch.float32,
+                           initial_state=False)
+    form, ints = kernel_launch(op, inputs)
+    base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_states_BV=32)
+    launches = []
+    real = {n: getattr(module, n) for n in ("chunked_bwd_states_kernel", "chunked_bwd_dq_kernel")}
+
+    def spy(kernel):
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launches.append((kernel, grid, kwargs["BV"]))
+                    return real[kernel][grid](*args, **kwargs)
+                return launch
+        return Spy()
+
+    for kernel in real:
+        monkeypatch.setattr(module, kernel, spy(kernel))
+    names = [n for n in ("q", "k", "v", "g", "beta") if inputs.get(n) is not None]
+
+    def run(launch):
+        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in names}
+        o = module.op(*[leaves.get(n) for n in ("q", "k", "v", "g", "beta")], None, None, None, 0.25, form,
+                      launch.ints(), False)[0]
+        return torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
+
+    want = run(base)
+    launches.clear()
+    got = run(dataclasses.replace(base, bwd_states_BV=16))
+    assert launches == [("chunked_bwd_states_kernel", (1, 2), 16), ("chunked_bwd_dq_kernel", (2, 1), 32)]
+    assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
 
 
 # --------------------------------------------------------------------------- keys and lookups
