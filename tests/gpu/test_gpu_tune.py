@@ -62,11 +62,11 @@ def test_tune_then_a_fresh_process_takes_the_table(name, tmp_path):
     assert got["launch"] == entry.launch.ints()
 
 
-@pytest.mark.parametrize("name", ["gated_deltanet", "gla", "softmax_causal", "forgetting_attention"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "kda", "gla", "softmax_causal", "forgetting_attention"])
 def test_tuned_and_default_launches_agree(name):
     """A launch other than the default on every knob the search moves first (chunk / tiles, warps,
-    stages; the backward's) gives the default's outputs and gradients, to the rounding of the
-    dtype: a miscompiled launch would not."""
+    stages; the backward's; the delta rules' UT step split or fused and its backward's warps) gives
+    the default's outputs and gradients, to the rounding of the dtype: a miscompiled launch would not."""
     op = attngen.load(ROOT / "specs" / f"{name}.yaml")
     module = codegen.load_module(op.spec)
     inputs = bench_inputs(op.spec, parse_shape("2,1000,4,128,128"), torch.bfloat16, "cuda")
@@ -76,7 +76,9 @@ def test_tuned_and_default_launches_agree(name):
     call = attngen.runtime.check_call(op, inputs)
     if family == "chunked":
         other = dataclasses.replace(default, chunk=32, BV=64, states_BV=32, states_warps=2, output_BV=64,
-                                    output_warps=2, stages=2, bwd_chunk=16, bwd_warps=2)
+                                    output_warps=2, stages=2, bwd_chunk=16, bwd_warps=2, bwd_states_BV=32,
+                                    wu_warps=0 if default.wu_warps else 4,
+                                    bwd_wy_warps=8 if default.bwd_wy_warps == 4 else 4)
     else:
         other = dataclasses.replace(default, BM=128, BN=32, warps=8, stages=2, last_first=0, dq_BM=64, dq_BN=64,
                                     dkdv_BN=128, dkdv_BM=32, dkdv_warps=8)
