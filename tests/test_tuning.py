@@ -157,6 +157,33 @@ def test_fit_holds_a_launch_to_the_call():
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, narrow).output_BV == 16
 
 
+def spy_launches(monkeypatch, module, kernels) -> list:
+    """Each launch of the generated module's `kernels` from now on, in order, as (kernel, grid,
+    keyword arguments); the launches still run."""
+    launches = []
+    for kernel in kernels:
+        real = getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, kernel=kernel):
+                def launch(*args, **kwargs):
+                    launches.append((kernel, grid, kwargs))
+                    return real[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(module, kernel, Spy())
+    return launches
+
+
+def linear_grads(module, inputs, form, launch) -> list:
+    """A generated linear module's output at a launch and the gradients of its sum w.r.t. its inputs."""
+    names = [n for n in ("q", "k", "v", "g", "beta") if inputs.get(n) is not None]
+    leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in names}
+    o = module.op(*[leaves.get(n) for n in ("q", "k", "v", "g", "beta")], None, None, None, 0.25, form,
+                  launch.ints(), False)[0]
+    return [o.detach(), *torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))]
+
+
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
 def test_launch_knobs_reach_the_kernels(name, monkeypatch):
@@ -180,17 +207,7 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
         other = dataclasses.replace(base, BM=32, BN=32, warps=8, stages=2, last_first=0)
         kernel, knobs = "softmax_fwd_kernel", {"BM": 32, "BN": 32, "num_warps": 8, "num_stages": 2,
                                                "LAST_FIRST": False}
-    launches = []
-    real = getattr(module, kernel)
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs)
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(module, kernel, Spy())
+    launches = spy_launches(monkeypatch, module, [kernel])
     q, k, v, g, beta = (inputs.get(n) for n in ("q", "k", "v", "g", "beta"))
 
     def run(launch):
@@ -199,8 +216,9 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
         return module.op(q, k, v, g, None, 0.25, 70, launch.ints())[0]
 
     want, got = run(base), run(other)
-    assert all(launches[-1][n] == value for n, value in knobs.items()), launches[-1]
-    assert any(launches[0][n] != value for n, value in knobs.items())
+    first, last = launches[0][2], launches[-1][2]
+    assert all(last[n] == value for n, value in knobs.items()), last
+    assert any(first[n] != value for n, value in knobs.items())
     assert rel_error(got, want) < 1e-5
 
 
@@ -217,35 +235,19 @@ def test_the_ut_steps_split_and_warps_reach_the_kernels(name, monkeypatch):
                            initial_state=False)
     form, ints = kernel_launch(op, inputs)
     base = dataclasses.replace(planner.ChunkedLaunch(*ints), chunk=32, bwd_chunk=32)
-    launches = []
-    for kernel in ("chunked_ut_kernel", "chunked_wu_kernel", "chunked_bwd_wy_kernel"):
-        real = getattr(module, kernel)
+    spied = spy_launches(monkeypatch, module, ("chunked_ut_kernel", "chunked_wu_kernel", "chunked_bwd_wy_kernel"))
 
-        class Spy:
-            def __getitem__(self, grid, real=real, kernel=kernel):
-                def launch(*args, **kwargs):
-                    launches.append((kernel, kwargs.get("FUSED_WU"), kwargs["num_warps"]))
-                    return real[grid](*args, **kwargs)
-                return launch
+    def launches():
+        return [(kernel, kw.get("FUSED_WU"), kw["num_warps"]) for kernel, _, kw in spied]
 
-        monkeypatch.setattr(module, kernel, Spy())
-    names = [n for n in ("q", "k", "v", "g", "beta") if inputs.get(n) is not None]
-
-    def run(launch):
-        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in names}
-        args = [leaves.get(n) for n in ("q", "k", "v", "g", "beta")]
-        o = module.op(*args, None, None, None, 0.25, form, launch.ints(), False)[0]
-        grads = torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
-        return [o.detach(), *grads]
-
-    fused = run(dataclasses.replace(base, wu_warps=0, bwd_wy_warps=4))
-    assert [k for k, *_ in launches] == ["chunked_ut_kernel", "chunked_ut_kernel", "chunked_bwd_wy_kernel"]
-    assert launches[0][1] is True and launches[-1][2] == 4
-    launches.clear()
-    split = run(dataclasses.replace(base, wu_warps=2, bwd_wy_warps=8))
-    assert launches == [("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
-                        ("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
-                        ("chunked_bwd_wy_kernel", None, 8)]
+    fused = linear_grads(module, inputs, form, dataclasses.replace(base, wu_warps=0, bwd_wy_warps=4))
+    assert [k for k, *_ in launches()] == ["chunked_ut_kernel", "chunked_ut_kernel", "chunked_bwd_wy_kernel"]
+    assert launches()[0][1] is True and launches()[-1][2] == 4
+    spied.clear()
+    split = linear_grads(module, inputs, form, dataclasses.replace(base, wu_warps=2, bwd_wy_warps=8))
+    assert launches() == [("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
+                          ("chunked_ut_kernel", False, base.prepare_warps), ("chunked_wu_kernel", None, 2),
+                          ("chunked_bwd_wy_kernel", None, 8)]
     for a, b in zip(split, fused):
         assert torch.equal(a, b)
 
@@ -261,32 +263,12 @@ def test_the_backward_state_pass_takes_value_blocks_of_its_own(name, monkeypatch
                            initial_state=False)
     form, ints = kernel_launch(op, inputs)
     base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_states_BV=32)
-    launches = []
-    real = {n: getattr(module, n) for n in ("chunked_bwd_states_kernel", "chunked_bwd_dq_kernel")}
-
-    def spy(kernel):
-        class Spy:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launches.append((kernel, grid, kwargs["BV"]))
-                    return real[kernel][grid](*args, **kwargs)
-                return launch
-        return Spy()
-
-    for kernel in real:
-        monkeypatch.setattr(module, kernel, spy(kernel))
-    names = [n for n in ("q", "k", "v", "g", "beta") if inputs.get(n) is not None]
-
-    def run(launch):
-        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in names}
-        o = module.op(*[leaves.get(n) for n in ("q", "k", "v", "g", "beta")], None, None, None, 0.25, form,
-                      launch.ints(), False)[0]
-        return torch.autograd.grad(o, list(leaves.values()), torch.ones_like(o))
-
-    want = run(base)
-    launches.clear()
-    got = run(dataclasses.replace(base, bwd_states_BV=16))
-    assert launches == [("chunked_bwd_states_kernel", (1, 2), 16), ("chunked_bwd_dq_kernel", (2, 1), 32)]
+    spied = spy_launches(monkeypatch, module, ("chunked_bwd_states_kernel", "chunked_bwd_dq_kernel"))
+    want = linear_grads(module, inputs, form, base)
+    spied.clear()
+    got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_states_BV=16))
+    assert [(k, grid, kw["BV"]) for k, grid, kw in spied] == [("chunked_bwd_states_kernel", (1, 2), 16),
+                                                             ("chunked_bwd_dq_kernel", (2, 1), 32)]
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
 
 
