@@ -1367,18 +1367,19 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #   5. chunked_bwd_wy_kernel, chunk-parallel per (chunk slot, head): the UT transform's backward,
 #      by value blocks dX = T^T dU (-> dv), dW = -dU h_c^T and dT, then dY, dA -> dβ, dk̂r, dk̂' of
 #      A, the decay gradient's A and Y terms; with step 4's dk̂, the chain rule -> dk.
-# dP^T and dA^T are computed as dots of their own (dP^T = U dO^T, dA^T = -T dT^T T), and T, T^T,
-# h_c, dS, U, dO, dU, K̂ loaded in the layouts the dots take: no value is transposed (tl.trans of a
-# dot's result miscompiles on Hopper with Triton 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the
+# dP^T is a dot of its own (U dO^T), dA^T is dA stored to a scratch slot of the program and loaded
+# transposed past a barrier, and T^T, h_c, dS, U, dO, dU, K̂ are loaded in the layouts the dots take:
+# no value is transposed in registers (tl.trans of a dot's result miscompiles on Hopper with Triton
+# 3.4-3.7; fla's issue 640), and dk̂, dq̂ are whole rows [BT, BF] in the
 # step that applies the chain rule. Step 4 is two kernels, each with one [BT, BF] and one [BT, BT]
 # float32 accumulator over its value loop and half the tiles after it: as one kernel it spilled
 # 1.3 KB (gated_deltanet bf16 at K = V = 128 and 32-token chunks; bench/compile_time.py) and took
 # 2168 us, as two 204 + 284 B and 1198 + 824 us (kda 7018 -> 3348 + 1696; BENCHMARKS.md). Step 5 is
-# not fused with either: it holds two [BT, BF] and two [BT, BT] accumulators of its own.
+# not fused with either: it holds a [BT, BF] and a [BT, BT] accumulator of its own.
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype), (I + A)^-1
 # [B, T, H, chunk] float32, W, K̂ ⊙ Γ_C/Γ [B, T, H, F] and U [B, T, H, V] (chunked_pass_dtype), Γ_C; the state
 # gradient per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); dU [B, T, H, V] and Q̂ ⊙ Γ [B, T, H, F]
-# (chunked_pass_dtype: they only enter dots); step 4's dk̂ [B, T, H, F] and decay gradient [B, T, H, F], and step 4a's part of it, float32.
+# (chunked_pass_dtype: they only enter dots); step 5's dA [chunk slots, H, chunk, chunk] float32; step 4's dk̂ [B, T, H, F] and decay gradient [B, T, H, F], and step 4a's part of it, float32.
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
@@ -1857,7 +1858,7 @@ def chunked_bwd_dk_kernel(
 @triton.jit
 def chunked_bwd_wy_kernel(
     # pointers
-    k, v, g, beta, omega, ai, du, h, dk_part, dg_part, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    k, v, g, beta, omega, ai, du, h, dk_part, dg_part, da, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     x_scale, f_scale,
@@ -1899,34 +1900,27 @@ def chunked_bwd_wy_kernel(
     # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
     b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
 
-    # by value blocks (the keys, decays and T are loaded after this loop, which does not read them):
-    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T
-    # and dT^T = X dU^T + Y dW^T; [BT, BF] dW = -dU h_c^T, [BF, BT] dW^T
+    # by value blocks (the keys and decays are loaded after this loop, which does not read them):
+    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T; [BT, BF] dW = -dU h_c^T
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dTt = tl.zeros([BT, BT], dtype=tl.float32)
     b_dw = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dwt = tl.zeros([BF, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_vt = m_v[:, None] & m_t[None, :]
-        # [BT, BV] and [BV, BT] dU and the values; [BF, BV] and [BV, BF] h_c
+        # [BT, BV] dU and the values, [BV, BT] the values and [BV, BF] h_c transposed by the load
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_dut = tl.load(du + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
-        b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
         tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dx * b_v, 1)
         b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
-        b_dTt = chunked_dot(b_v * b_beta[:, None], b_dut, DOT_PRECISION, b_dTt)
         b_dw = chunked_dot(-b_du, b_hct, DOT_PRECISION, b_dw)
-        b_dwt = chunked_dot(-b_hc.to(tl.float32), b_dut, DOT_PRECISION, b_dwt)
     # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
@@ -1946,16 +1940,19 @@ def chunked_bwd_wy_kernel(
     b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
     b_gam_rest_t = tl.exp((b_GC[:, None] - b_Gt).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BF] K̂ ⊙ Γ and [BF, BT] Y^T, Y = diag(β) (K̂ ⊙ Γ): the Y terms of dT and dT^T
+    # [BT, BF] K̂ ⊙ Γ and [BF, BT] Y^T, Y = diag(β) (K̂ ⊙ Γ): the Y term of dT
     b_kg = b_k_hat * b_gam
     b_yt = b_kt * b_gam_t * b_beta[None, :]
     b_dT = chunked_dot(b_dw, b_yt, DOT_PRECISION, b_dT)
-    b_dTt = chunked_dot(b_kg * b_beta[:, None], b_dwt, DOT_PRECISION, b_dTt)
-    # [BT, BT] dA = -T^T dT T^T on s < t, in [t, s]; its transpose -T dT^T T in [s, t], T = (I + A)^-1
-    # as chunked_ut_kernel stored its rows
-    b_T = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # [BT, BT] dA = -T^T dT T^T on s < t, in [t, s], T = (I + A)^-1 as chunked_ut_kernel stored its rows;
+    # its transpose dA^T in [s, t] through the program's slot of `da` (stored, then loaded transposed
+    # past a barrier: a transpose of a dot's result in registers is what Triton 3.6 miscompiled on
+    # Hopper, and a second chain of dots for dA^T took registers and time)
     b_dA = tl.where(m_strict, -chunked_dot(chunked_dot(b_Tt, b_dT, DOT_PRECISION), b_Tt, DOT_PRECISION), 0.0)
-    b_dAt = tl.where(m_strict_t, -chunked_dot(chunked_dot(b_T, b_dTt, DOT_PRECISION), b_T, DOT_PRECISION), 0.0)
+    o_da = da + (i_s.to(tl.int64) * H + i_h) * BT * BT
+    tl.store(o_da + o_i[:, None] * BT + o_i[None, :], b_dA)
+    tl.debug_barrier()
+    b_dAt = tl.load(o_da + o_i[None, :] * BT + o_i[:, None], cache_modifier=".cg")
     # [BT, BF] dY = T^T dW
     b_dy = chunked_dot(b_Tt, b_dw, DOT_PRECISION)
 
@@ -2196,8 +2193,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 5: the UT transform's backward -> dk, dv, dβ, dg, at warps of its own (launch.bwd_wy_warps)
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g)
+    # a [BT, BT] float32 slot per program, where it transposes dA
+    da = torch.empty(st.n_slots, H, chunk, chunk, **f32)
     chunked_bwd_wy_kernel[(st.n_slots, H)](
-        k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
+        k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
         F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, num_warps=launch.bwd_wy_warps),
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
