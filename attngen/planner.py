@@ -493,7 +493,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if dtype == torch.float32 and BF > 128:
         # At 64, the output pass's tf32x3 dots of [64, 256] tiles asked for 262,144 B of shared
         # memory (the H200 has 232,448; bench/compile_time.py); the outputs do not depend on the chunk.
-        fwd_chunk = min(fwd_chunk, 32)
+        # Vector decay's output pass (a dot per 16-token block pair) asked for 331,776 B at 32 (kda
+        # and gla, D = 256 on the H200) and takes 65,536 B at 16.
+        fwd_chunk = min(fwd_chunk, 16 if spec.decay == "vector" else 32)
     if dtype == torch.bfloat16:
         # Triton 3.6 miscompiled the 64-row wgmma dots of bf16 operands on the H200 at K = V = 128
         # (wrong outputs, illegal addresses; BENCHMARKS.md) in the UT step of scalar-decay and plain

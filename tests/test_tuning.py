@@ -99,6 +99,10 @@ def test_defaults_are_the_measured_launches():
         output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_states_BV=32, bwd_stages=3,
         bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
+    # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
+    for spec in (KDA, GLA):
+        assert default(linear_call(K=256, V=256), torch.float32, spec=spec).chunk == 16
+        assert default(linear_call(K=128, V=128), torch.float32, spec=spec).chunk == 64
     assert default(linear_call(K=64, V=64), torch.float16).BV == 64
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
     assert default(call, torch.float32).stages == 2
