@@ -34,6 +34,17 @@ def _ranks(text: str) -> int:
     return int(text)
 
 
+def _routes_apart(spec, device: str, head_dim: int) -> bool:
+    """Whether bf16 inputs of this head dim run elsewhere than float32 ones (runtime.route)."""
+    import torch
+
+    from .runtime import route
+    try:
+        return route(spec, device, torch.bfloat16, head_dim) != route(spec, device, torch.float32, head_dim)
+    except ValueError:
+        return False
+
+
 def _machine_device() -> str:
     """Where the kernels would run on this machine: CUDA if torch sees a GPU, else the CPU."""
     import torch
@@ -56,9 +67,12 @@ def cmd_explain(args) -> int:
           f"{f', chunk {choice.chunk}' if choice.form == 'chunked' else ''} ({choice.reason})")
     device = _machine_device()
     print(f"backend on this machine (ATTNGEN_BACKEND={backend()}, {device} tensors):")
-    for label, dtype in (("float32, bfloat16, float16", torch.float32), ("float64", torch.float64)):
+    rows = (("float32, bfloat16, float16", torch.float32), ("float64", torch.float64))
+    if _routes_apart(op.spec, device, K):
+        rows = (("float32, float16", torch.float32), ("bfloat16", torch.bfloat16), ("float64", torch.float64))
+    for label, dtype in rows:
         try:
-            name, reason = route(op.spec, device, dtype)
+            name, reason = route(op.spec, device, dtype, K)
         except ValueError as e:
             print(f"  {label} inputs: none: {e}")
             continue

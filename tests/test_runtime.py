@@ -346,6 +346,20 @@ def test_route_float64_inputs(monkeypatch):
             assert route(linear, device, dtype)[0] == "triton"
     monkeypatch.setenv("ATTNGEN_BACKEND", "auto")
     assert route(linear, "cuda", torch.float32)[0] == "triton"
+    # causal FAVOR+ in bf16 at head dims up to 32: the PyTorch forms on CUDA (the kernels miscompiled),
+    # the kernels at wider heads, in other dtypes, bidirectional, and in the interpreter
+    from attngen.runtime import FAVOR_BF16_REASON
+    performer = attngen.load_spec("specs/performer.yaml")
+    assert route(performer, "cuda", torch.bfloat16, 32) == ("torch", FAVOR_BF16_REASON)
+    assert route(performer, "cuda", torch.bfloat16, 16) == ("torch", FAVOR_BF16_REASON)
+    assert route(performer, "cuda", torch.bfloat16, 64)[0] == "triton"
+    assert route(performer, "cuda", torch.float16, 32)[0] == "triton"
+    assert route(performer, "cuda", torch.bfloat16)[0] == "triton"
+    assert route(attngen.load_spec("specs/performer_bidirectional.yaml"), "cuda", torch.bfloat16, 32)[0] == "triton"
+    assert route(linear, "cuda", torch.bfloat16, 32)[0] == "triton"
+    monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+    assert route(performer, "cpu", torch.bfloat16, 32)[0] == "triton"
+    monkeypatch.setenv("ATTNGEN_BACKEND", "auto")
     assert route(linear, "cuda", torch.float64) == ("torch", FLOAT64_REASON)
     assert route(linear, "cpu", torch.float32)[0] == "torch"
     monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
