@@ -882,11 +882,13 @@ MEMORY = {
               "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
               "and the UT transform's (I + A)^-1, T x C, bf16 for bf16 inputs, else float32); the recurrent backward keeps per-token "
               "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "
-              "chunk-start states at chunks of at most 32 tokens (T/32 x F x V per head: bf16 for bf16 inputs "
-              "except with the sum normalizer, else float32) and keeps the "
+              "chunk-start states at the launch's backward chunk C' (bwd_chunk; T/C' x F x V per head: bf16 for "
+              "bf16 inputs except with the sum normalizer, else float32) and keeps the "
               "state gradient per chunk (as many values, of the same dtype) and per-token pieces (dU, the decayed "
               "queries: T x (F + V); with the delta rule a dk and decay-gradient part for its UT step, T x F "
-              "float32; with the normalizer n, c and dO / n), transient inside the backward",
+              "float32, and its dA, T x C' float32; with the normalizer n, c and dO / n), transient inside the "
+              "backward, each released after the last step that reads it (the peak of a training step: "
+              "python bench/peak_memory.py SPEC)",
 }
 
 

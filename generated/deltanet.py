@@ -1586,6 +1586,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
         **dict(meta, BV=launch.bwd_states_BV),
     )
+    # W, the state keys, Γ_C and the queries of step 3 have no reader past it: their memory goes back
+    # before step 4 allocates (the backward's peak: bench/peak_memory.py)
+    del qg
+    st = st._replace(w=None, kr=None, gc=None)
     # step 4a: dq; 4b: step 4's dk̂
     dq = torch.empty_like(q)
     chunked_bwd_dq_kernel[(st.n_slots, H)](
@@ -1598,6 +1602,9 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, g, omega, do, st.u, st.h, ds, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
     )
+    # nor dS and U past step 4
+    del ds
+    st = st._replace(u=None)
     # step 5: the UT transform's backward -> dk, dv, dβ, at warps of its own (launch.bwd_wy_warps)
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = None
