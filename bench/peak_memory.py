@@ -1,6 +1,6 @@
 """Peak memory of a forward + backward through the kernels, counted on the CPU (no GPU, no kernel runs).
 
-    python bench/peak_memory.py SPEC... [--shape 4,8192,16,128,128] [--dtype bf16] [--launch "knob=value,..."]
+    python bench/peak_memory.py SPEC... [--shape 4,8192,16,128,128] [--dtype bf16] [--fwd] [--launch "knob=value,..."]
 
 The op runs on CPU tensors through the kernels' host code (ATTNGEN_BACKEND=triton, Triton's
 interpreter), every kernel launch a no-op: the buffers are allocated and released exactly as a GPU
@@ -54,11 +54,12 @@ def no_launches():
             os.environ["ATTNGEN_BACKEND"] = backend
 
 
-def peak_of(op, shape: Shape, dtype: torch.dtype) -> int:
-    """The peak bytes allocated during one forward + backward step (bench.step) beyond those held before it."""
-    inputs = bench_inputs(op.spec, shape, dtype, "cpu", requires_grad=True)
-    run = bench.step(lambda: op(**inputs)[0] if op.spec.is_linear else op(**inputs), True, inputs)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+def peak_of(op, shape: Shape, dtype: torch.dtype, bwd: bool = True) -> int:
+    """The peak bytes allocated during one forward + backward step (bench.step; bwd False: one
+    forward without autograd, as inference runs it) beyond those held before it."""
+    inputs = bench_inputs(op.spec, shape, dtype, "cpu", requires_grad=bwd)
+    run = bench.step(lambda: op(**inputs)[0] if op.spec.is_linear else op(**inputs), bwd, inputs)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.set_grad_enabled(bwd):
         run()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
@@ -73,16 +74,18 @@ def main() -> int:
     p.add_argument("specs", nargs="+")
     p.add_argument("--shape", default="4,8192,16,128,128", help="B,T,H,K,V")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--fwd", action="store_true", help="one forward without autograd (inference) instead of a training step")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
     args = p.parse_args()
     shape, dtype = parse_shape(args.shape), DTYPES[args.dtype]
     probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
-    print(f"forward + backward, {args.dtype}, shape {args.shape}, kernels' host code on the CPU (no kernel runs)")
+    step = "forward (no autograd)" if args.fwd else "forward + backward"
+    print(f"{step}, {args.dtype}, shape {args.shape}, kernels' host code on the CPU (no kernel runs)")
     for path in args.specs:
         op = attngen.load(path)
         tuning._remembered.cache_clear()
         with no_launches():
-            peak = peak_of(op, shape, dtype)
+            peak = peak_of(op, shape, dtype, bwd=not args.fwd)
         print(f"{op.spec.name:<20s} peak {peak / 2**20:8.0f} MiB", flush=True)
     return 0
 

@@ -1,0 +1,58 @@
+"""Memory of the chunked kernels' calls, counted on the CPU by bench/peak_memory.py (the kernels'
+host code with every launch a no-op, the profiler's memory records): the peak of a call is the live
+set of its busiest step, each buffer released after the last step that reads it."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+import attngen
+from attngen.testing import Shape
+
+import specs
+
+
+def _peak_memory_tool():
+    path = Path(__file__).resolve().parents[1] / "bench" / "peak_memory.py"
+    module_spec = importlib.util.spec_from_file_location("peak_memory", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_the_backward_releases_what_its_later_steps_do_not_read():
+    """The peak of one training step's allocations (bench/peak_memory.py: the kernels' host code with
+    every launch a no-op) is the live set of the backward's busiest step and no more: the buffers
+    that only earlier steps read are released before later steps allocate. bf16, B1 T1024 H2
+    K = V = 128 at the default launch (backward chunks of 32 tokens for the delta rule, 64 for Mamba2)."""
+    tool = _peak_memory_tool()
+    B, T, H, D = 1, 1024, 2, 128
+    shape = Shape(batch=B, q_len=T, heads=H, head_dim=D, value_dim=D)
+    tok16, tok32 = B * T * H * D * 2, B * T * H * D * 4
+    states = lambda chunk: (T // chunk) * B * H * D * D * 2  # noqa: E731  [slots, H, F, V] bf16
+    live = {
+        # step 4b: h_c and dS, U, dU, dq, the output, (I + A)^-1 rows, step 4's dk̂ (float32), dgq, dg part
+        "gated_deltanet": 2 * states(32) + 4 * tok16 + B * T * H * 32 * 2 + tok32 + 2 * B * T * H * 4,
+        # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
+        "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32,
+    }
+    with tool.no_launches():
+        for name, expected in live.items():
+            op = attngen.load(specs.SHIPPED[name])
+            peak = tool.peak_of(op, shape, torch.bfloat16)
+            assert peak <= expected, f"{name}: peak {peak} B above the live set of its busiest step, {expected} B"
+
+
+def test_the_forward_releases_what_its_output_pass_does_not_read():
+    """Inference (no autograd): the forward's peak is its state pass's live set (the chunk-start
+    states, W, the state keys, U, (I + A)^-1's rows, Γ_C); W, the keys, (I + A)^-1 and Γ_C go back
+    before the output is allocated. gated_deltanet bf16, B1 T1024 H2 K = V = 128, 64-token chunks."""
+    tool = _peak_memory_tool()
+    B, T, H, D, C = 1, 1024, 2, 128, 64
+    shape = Shape(batch=B, q_len=T, heads=H, head_dim=D, value_dim=D)
+    states_pass = (T // C) * B * H * D * D * 2 + 3 * B * T * H * D * 2 + B * T * H * C * 2 + (T // C) * B * H * 4
+    with tool.no_launches():
+        peak = tool.peak_of(attngen.load(specs.SHIPPED["gated_deltanet"]), shape, torch.bfloat16, bwd=False)
+    assert peak <= states_pass, f"forward peak {peak} B above its state pass's live set, {states_pass} B"
