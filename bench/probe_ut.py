@@ -70,6 +70,9 @@ def ut(mod, k, v, g, beta, chunk: int, warps: int, wu_warps: int = 0, maxnreg: i
     args = (k, v, g, beta, None, ai, w, kr, u, gc, None, None, None, T, H, K, V, K, K ** -0.25, K ** -0.5)
     meta = dict(BT=chunk, BK=BK, BF=BK, BV=min(64, V), IS_VARLEN=False, QK_GROUP=1,
                 DOT_PRECISION=mod.chunked_dot_precision(k.dtype), **({"maxnreg": maxnreg} if maxnreg else {}))
+    if "G_DTYPE" in mod.chunked_ut_kernel.arg_names:
+        # the dtype of its cumulative log decays (a module from before it sums them in float64)
+        meta["G_DTYPE"] = mod.chunked_decay_dtype(k.dtype)
     # a module from before the split (no FUSED_WU) always runs the step as one kernel
     splits = "FUSED_WU" in mod.chunked_ut_kernel.arg_names
     split = splits and wu_warps > 0
