@@ -16,11 +16,10 @@ variants do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
-
-import contextlib
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: @triton.jit makes interpreted functions
 
@@ -29,9 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attngen  # noqa: E402
-import probe_launch  # noqa: E402  (its fit_chunked override: --launch)
 from attngen import bench, tuning  # noqa: E402
 from attngen.testing import Shape, bench_inputs, parse_shape  # noqa: E402
 
@@ -78,7 +75,10 @@ def main() -> int:
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
     args = p.parse_args()
     shape, dtype = parse_shape(args.shape), DTYPES[args.dtype]
-    probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
+    if args.launch:
+        # probe_launch's variants: knobs set over the fitted launch (planner.fit_chunked, patched there)
+        import probe_launch
+        probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
     step = "forward (no autograd)" if args.fwd else "forward + backward"
     print(f"{step}, {args.dtype}, shape {args.shape}, kernels' host code on the CPU (no kernel runs)")
     for path in args.specs:
