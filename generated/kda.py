@@ -1378,8 +1378,9 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # 1.3 KB (gated_deltanet bf16 at K = V = 128 and 32-token chunks; bench/compile_time.py) and took
 # 2168 us, as two 204 + 284 B and 1198 + 824 us (kda 7018 -> 3348 + 1696; BENCHMARKS.md). Step 5 is
 # not fused with either: it holds a [BT, BF] and a [BT, BT] accumulator of its own.
-# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype), (I + A)^-1
-# [B, T, H, chunk] float32, W, K̂ ⊙ Γ_C/Γ [B, T, H, F] and U [B, T, H, V] (chunked_pass_dtype), Γ_C; the state
+# Memory, live only inside this backward, each released after the last step that reads it: step 1's h
+# [chunk slots, H, F, V] (chunked_bwd_states_dtype), (I + A)^-1 [B, T, H, chunk], W, K̂ ⊙ Γ_C/Γ [B, T, H, F]
+# and U [B, T, H, V] (chunked_pass_dtype), Γ_C; the state
 # gradient per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); dU [B, T, H, V] and Q̂ ⊙ Γ [B, T, H, F]
 # (chunked_pass_dtype: they only enter dots); step 5's dA [chunk slots, H, chunk, chunk] float32; step 4's dk̂ [B, T, H, F] and decay gradient [B, T, H, F], and step 4a's part of it, float32.
 # The forward saves nothing beyond its inputs.
