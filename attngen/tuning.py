@@ -405,13 +405,20 @@ def launch_ints(spec: Spec, family: str, call: Call, dtype: torch.dtype, device:
     return _launch_ints(spec, family, sizes, dtype, device, chunk)
 
 
-@torch.compiler.assume_constant_result
 def _launch_ints(spec: Spec, family: str, call: tuple, dtype: torch.dtype, device: torch.device,
                  chunk: int | None) -> tuple[int, ...]:
     # torch.compile calls this while tracing and keeps the result as a constant (it reads files and
     # warns: nothing to trace); the call comes in and the launch goes out as plain values, the only
     # ones it passes
     return _remembered(spec, family, call, dtype, device, chunk, tuple(map(os.environ.get, _ENVIRONMENT)))
+
+
+# torch.compiler.assume_constant_result(fn) marks fn with this attribute, which torch.compile's tracer
+# reads, and returns it; the decorator itself imports torch._dynamo (a second of a fresh process's
+# `attngen.load`, before any call), so the mark is set here (tests/test_compile.py holds it to the
+# decorator's)
+DYNAMO_CONSTANT = "_dynamo_marked_constant"
+setattr(_launch_ints, DYNAMO_CONSTANT, True)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -77,3 +77,28 @@ def test_fullgraph_return_lse(path, monkeypatch):
         for n, t in leaves.items():
             assert torch.allclose(t.grad, eager_leaves[n].grad, rtol=1e-5, atol=1e-6), n
     assert len(graphs) == 1, f"{len(graphs)} graphs for two calls of the same shapes"
+
+
+def test_launch_lookup_is_marked_constant_as_the_decorator_marks():
+    """The launch lookup carries the mark torch.compiler.assume_constant_result sets (tuning.py sets
+    it without the decorator, which imports torch._dynamo at attngen's import); a torch whose
+    decorator marks otherwise fails here, not silently in a traced call."""
+    from attngen import tuning
+
+    def probe():
+        return 0
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and getattr(probe, tuning.DYNAMO_CONSTANT) is True
+    assert getattr(tuning._launch_ints, tuning.DYNAMO_CONSTANT) is True
+
+
+def test_load_does_not_import_dynamo():
+    """attngen.load in a fresh process leaves torch._dynamo unimported (a second of its time)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, attngen; attngen.load(sys.argv[1]); "
+            "print('torch._dynamo' in sys.modules)")
+    spec = Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml"
+    out = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
