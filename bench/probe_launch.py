@@ -5,8 +5,9 @@ agreement with the first variant at the timed shape, and the forward + backward 
     python bench/probe_launch.py --specs gated_deltanet,mamba2 --variants "bwd_chunk=32;bwd_chunk=64" \
         [--B 4 --T 8192 --H 16 --D 128] [--dtype bfloat16]
 
-A variant is a list of ChunkedLaunch knobs set after the planner fitted its launch (its clamps
-bypassed, the stages refitted); the first variant is the reference of the agreement column. This is
+A variant is a list of launch knobs set after the planner fitted its launch (its clamps bypassed, a
+chunked launch's stages refitted): ChunkedLaunch knobs for linear specs, SoftmaxLaunch knobs (e.g.
+"BM=128,warps=8") for softmax ones; the first variant is the reference of the agreement column. This is
 how a clamp of planner.fit_chunked is tested before it is lifted: a launch that fails here stays held.
 `--from-table FILE` appends to each spec's variants the launch of that tuning table's entry for the
 spec at the timed shape (how a shipped table's launches are held to the oracle).
@@ -28,6 +29,7 @@ from attngen.testing import Shape, bench_inputs, compare, random_inputs, rel_err
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 _fit = planner.fit_chunked
+_fit_softmax = planner.fit_softmax
 OVERRIDE: dict[str, int] = {}
 
 
@@ -38,24 +40,37 @@ def _fit_with_override(spec, call, dtype, launch, chunk=None):
     return planner.fit_stages(spec, call, dtype, dataclasses.replace(launch, **OVERRIDE))
 
 
+def _fit_softmax_with_override(call, launch):
+    launch = _fit_softmax(call, launch)
+    return dataclasses.replace(launch, **OVERRIDE) if OVERRIDE else launch
+
+
 planner.fit_chunked = _fit_with_override
+planner.fit_softmax = _fit_softmax_with_override
 
 
 def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
-    knobs = {f.name for f in dataclasses.fields(planner.ChunkedLaunch)}
+    """'knob=value,...' of ChunkedLaunch or of SoftmaxLaunch (not both in one variant)."""
+    items = [item.partition("=") for item in filter(None, text.split(","))]
+    cls = planner.SoftmaxLaunch if items and items[0][0] in planner.SoftmaxLaunch.knobs() else planner.ChunkedLaunch
+    knobs = set(cls.knobs())
     out = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
+    for name, _, value in items:
         if name not in knobs:
-            raise SystemExit(f"{option}: {name!r} is no ChunkedLaunch knob; knobs: {', '.join(sorted(knobs))}")
+            raise SystemExit(f"{option}: {name!r} is no {cls.__name__} knob; knobs: {', '.join(sorted(knobs))}")
         if not value.isdigit():
             raise SystemExit(f"{option}: {name}={value!r}: the value is not allowed; allowed: a positive integer")
         out[name] = int(value)
     return out
 
 
+def output(result):
+    """The output of an op's result: linear ops return (o, final_state), softmax ones o."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def grads(op, inputs):
-    o, _ = op(**inputs)
+    o = output(op(**inputs))
     gen = torch.Generator(device=o.device).manual_seed(3)
     gout = torch.randn(o.shape, device=o.device, generator=gen).to(o.dtype)
     names = [n for n, t in inputs.items() if t.requires_grad]
@@ -130,7 +145,7 @@ def main() -> int:
             tuning._remembered.cache_clear()
             label = ",".join(f"{k}={v}" for k, v in variant.items()) or "planner"
             try:
-                launch = tuning.choose(op.spec, "chunked", attngen.runtime.check_call(op, big), dtype, "cuda").launch
+                launch = tuning.choose(op.spec, "chunked" if op.spec.is_linear else "softmax", attngen.runtime.check_call(op, big), dtype, "cuda").launch
                 worst = "-"
                 if not args.no_oracle:
                     rows = compare(op.spec, lambda **kw: op(**kw), small, dtype, with_grads=True, device="cuda")
@@ -140,8 +155,8 @@ def main() -> int:
                 agree = "-" if ref is None else f"{max(rel_error(got[n].float(), ref[n].float()) for n in ref):.1e}"
                 ref = ref or got
                 with torch.no_grad():
-                    fwd_ms = bench.do_bench_timer(False)(lambda: op(**big)[0])
-                run = bench.step(lambda: op(**big)[0], True, big)
+                    fwd_ms = bench.do_bench_timer(False)(lambda: output(op(**big)))
+                run = bench.step(lambda: output(op(**big)), True, big)
                 ms = bench.do_bench_timer(True)(run)
                 kernels = ", ".join(f"{k.replace('chunked_', '').replace('_kernel', '')} {us:.0f}"
                                     for k, us in bench.profile(run)[:6])

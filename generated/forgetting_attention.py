@@ -340,13 +340,14 @@ def softmax_segment_cumsum_kernel(
     # meta
     BT: tl.constexpr, BH: tl.constexpr, FLOOR: tl.constexpr,
 ):
-    """out = the inclusive cumsum of x [1, T, H] along each packed sequence, in float64 from the
-    sequence's first token: nothing crosses into another sequence. FLOOR: x is a log decay,
-    raised to the floor where it is loaded."""
-    i_n = tl.program_id(0)
+    """out = the inclusive cumsum of x [B, T, H] along each sequence of cu_seqlens (a batch row or a
+    packed sequence), in float64 from the sequence's first token: nothing crosses into another
+    sequence. One program per sequence and BH heads. FLOOR: x is a log decay, raised to the floor
+    where it is loaded."""
+    i_n, i_hb = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    o_h = tl.arange(0, BH)
+    o_h = i_hb * BH + tl.arange(0, BH)
     m_h = o_h < H
     # [BH] the sum over the sequence's tokens before the current block
     b_carry = tl.zeros([BH], dtype=tl.float64)
@@ -366,17 +367,18 @@ def softmax_segment_cumsum(x, cu_seqlens, floor):
     """x [B, T, H] contiguous -> float64 [B, T, H]: the inclusive cumsum along T within each
     sequence (each batch row, or each packed sequence of cu_seqlens); floor: x is a log decay,
     raised to the log-decay floor first."""
+    x = x.contiguous()
     B, T, H = x.shape
     if cu_seqlens is None:
-        # a batch row is a sequence: torch's cumsum along T stays in it, and runs in parallel
-        # over T (decode reads a whole cache of keys per call)
-        x = x.to(torch.float64)
-        return torch.cumsum(x.clamp(min=-10000.0) if floor else x, 1)
+        # a batch row is a sequence. (torch.cumsum along T of [B, T, H] scans the outer dim, one
+        # thread per (batch, head) walking T: 1.5 ms at B4 T8192 H16 on the H200, 4.4 of the 20.5
+        # ms of forgetting attention's training step; BENCHMARKS.md 2026-12-02)
+        cu_seqlens = torch.arange(0, B + 1, device=x.device, dtype=torch.int32) * T
     out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
-    BH = triton.next_power_of_2(H)
-    # one program per packed sequence walks its tokens in [BT, BH] tiles of 2048 elements
-    BT = min(1024, max(16, 2048 // BH))
-    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1,)](
+    # one program per sequence and 4 heads walks its tokens in [BT, BH] tiles of 4096 elements
+    BH = min(4, triton.next_power_of_2(H))
+    BT = min(1024, max(16, 4096 // BH))
+    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1, triton.cdiv(H, BH))](
         x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
     return out
 
