@@ -13,7 +13,7 @@ import torch
 
 from . import forms
 from .inputs import Call
-from .spec import L2_EPS, LOG_DECAY_FLOOR, NORM_EPS, Spec
+from .spec import KERNEL_CHUNKS, L2_EPS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32, NORM_EPS, Spec
 
 # The rule that picks a form (linear attention, per call). Sequences up to RECURRENT_MAX_LEN
 # tokens run the token loop; up to PARALLEL_MAX_LEN the quadratic form; longer, the chunked
@@ -234,9 +234,6 @@ def packed_groups(lengths: list[int], choice: Choice) -> list[list[int]]:
 # that fit a value to a call, and the values a search tries. Per call the runtime takes a tuned
 # table's launch where one exists (attngen.tuning), else the default; the generated op receives it
 # as a list of ints in field order, and the launchers only read it.
-
-# Chunk sizes of the chunked kernels (their UT transform works in 16-token blocks).
-KERNEL_CHUNKS = (16, 32, 64)
 
 # What each knob may be (a value outside is a ValueError naming the knob).
 _ALLOWED = {
@@ -754,6 +751,7 @@ class KernelSpec:
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
+    helpers: tuple[str, ...]        # the names the module imports from attngen.kernel_lib (kernel_lib_names)
 
 
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
@@ -765,12 +763,6 @@ class KernelSpec:
 # any decay.
 DECAY_SPAN = 40.0
 
-# The floor of log decays the chunked kernels sum in float32 (their cumulative log decays for 16-bit
-# inputs: templates' chunked_decay_dtype). Below about -104, exp underflows to 0 in float32, where
-# the kernels take every exp, so it leaves results as LOG_DECAY_FLOOR does; at -1e4, a chunk of
-# resets would sum to -6.4e5, whose float32 spacing (0.06) would put 6% errors into the pair factors
-# exp(G_t - G_s) of its later tokens; at -200 the sums stay within 64 x 200 = 12800, spacing 2^-10.
-LOG_DECAY_FLOOR32 = -200.0
 
 
 def ut_inverse(spec: Spec) -> str:
@@ -782,6 +774,21 @@ def ut_inverse(spec: Spec) -> str:
     if not (spec.is_linear and spec.update == "delta"):
         return ""
     return "doubling" if spec.decay == "vector" else "substitution"
+
+
+def kernel_lib_names(spec: Spec) -> tuple[str, ...]:
+    """What a spec's generated module takes from attngen.kernel_lib (the spec-independent helpers
+    and launch policy), sorted: each name its kernels or launchers call."""
+    names = {"floor_log_decay"} if spec.decay != "none" else set()
+    if spec.is_linear:
+        if spec.feature_map == "favor_plus":
+            names |= {"favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t"}
+        if spec.mask != "bidirectional":
+            names |= {"chunk_slots", "chunked_blocks", "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype",
+                      "chunked_dot", "chunked_dot_precision", "chunked_pass_dtype", "chunked_qk_group"}
+    else:
+        names |= {"LOG2E", "interpreted", "packed_max_len", "pow2_floor", "softmax_lse_dtype"}
+    return tuple(sorted(names))
 
 
 def kernel_spec(spec: Spec) -> KernelSpec:
@@ -802,7 +809,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, log_decay_floor32=LOG_DECAY_FLOOR32, decay_span=DECAY_SPAN,
-        ut_inverse=ut_inverse(spec),
+        ut_inverse=ut_inverse(spec), helpers=kernel_lib_names(spec),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 

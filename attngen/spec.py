@@ -25,6 +25,15 @@ NORM_EPS = 1e-6   # normalize sum: o / (z.q + NORM_EPS)
 # log decays below this enter at it: exp is exactly 0 below about -745 in float64 (-104 in
 # float32), so a reset (g = -inf) gives the same results, and cumulative sums stay finite
 LOG_DECAY_FLOOR = -1e4
+# The floor of log decays the chunked kernels sum in float32 (their cumulative log decays for 16-bit
+# inputs: kernel_lib.chunked_decay_dtype). Below about -104, exp underflows to 0 in float32, where
+# the kernels take every exp, so it leaves results as LOG_DECAY_FLOOR does; at -1e4, a chunk of
+# resets would sum to -6.4e5, whose float32 spacing (0.06) would put 6% errors into the pair factors
+# exp(G_t - G_s) of its later tokens; at -200 the sums stay within 64 x 200 = 12800, spacing 2^-10.
+LOG_DECAY_FLOOR32 = -200.0
+# Chunk sizes of the chunked kernels (their UT transform works in 16-token blocks): the planner
+# chooses among them, the generated launchers check them (kernel_lib.chunked_check_chunk).
+KERNEL_CHUNKS = (16, 32, 64)
 
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")

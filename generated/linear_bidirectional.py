@@ -17,7 +17,6 @@ Importing this module registers, with their autograd:
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
 import functools
-import os
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -26,16 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+
 SPEC_NAME = "linear_bidirectional"
 SPEC_HASH = "6713cd25c17849f5"
 SPEC = {'name': 'linear_bidirectional', 'attention': 'linear', 'feature_map': 'identity', 'qk_norm': 'none', 'update': 'additive', 'decay': 'none', 'normalize': 'none', 'mask': 'bidirectional', 'scale': 'auto'}
 ATTNGEN_VERSION = "0.1.0"
 FORMS = ('parallel',)
-
-
-def interpreted():
-    """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

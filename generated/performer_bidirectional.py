@@ -17,7 +17,6 @@ Importing this module registers, with their autograd:
 SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was rendered from.
 """
 import functools
-import os
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -26,16 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
+# the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
+from attngen.kernel_lib import (favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t)
+
 SPEC_NAME = "performer_bidirectional"
 SPEC_HASH = "0370031a32b3922a"
 SPEC = {'name': 'performer_bidirectional', 'attention': 'linear', 'feature_map': 'favor_plus', 'favor_plus': {'features': 64, 'orthogonal': True, 'seed': 0}, 'qk_norm': 'none', 'update': 'additive', 'decay': 'none', 'normalize': 'sum', 'mask': 'bidirectional', 'scale': 'auto'}
 ATTNGEN_VERSION = "0.1.0"
 FORMS = ('parallel',)
-
-
-def interpreted():
-    """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -48,36 +45,6 @@ def phi(x):
 def phi_grad(x):
     # its derivative phi'(x), printed from sympy (the backward kernels' chain rule)
     return x
-
-
-# FAVOR+'s exponents w_m . x - |x|^2 / 2 of x = q K^-1/4 (or k), summed in float64 and rounded once:
-# exp turns their absolute error into the features' relative error, and float32 dots over K = 256
-# erred some 4e-6 there, 4x plain PyTorch (performer_bidirectional at T = 1, BENCHMARKS.md).
-@triton.jit
-def favor_exponent_row(w, x):
-    # w [BF, BK], x [BK] -> [BF]
-    x = x.to(tl.float64)
-    return (tl.sum(w.to(tl.float64) * x[None, :], 1) - 0.5 * tl.sum(x * x, 0)).to(tl.float32)
-
-
-# The tiles' projections are float64 dots only where the kernel asks (F64: the bidirectional form's,
-# float32 inputs): Triton 3.6 does not lower them in every layout ("fp64 don't support largeK MMA":
-# the chunked backward, the bidirectional form's bf16 tiles), and the chunked state pass at K = 256
-# lacks the shared memory they take.
-@triton.jit
-def favor_exponent_tile(x, w_t, F64: tl.constexpr):
-    # x [BT, BK], w_t [BK, BF] -> [BT, BF]
-    if F64:
-        x, w_t = x.to(tl.float64), w_t.to(tl.float64)
-    return (tl.dot(x, w_t, input_precision="ieee") - 0.5 * tl.sum(x * x, 1)[:, None]).to(tl.float32)
-
-
-@triton.jit
-def favor_exponent_tile_t(w, x, F64: tl.constexpr):
-    # w [BF, BK], x [BK, BT] -> [BF, BT]
-    if F64:
-        w, x = w.to(tl.float64), x.to(tl.float64)
-    return (tl.dot(w, x, input_precision="ieee") - 0.5 * tl.sum(x * x, 0)[None, :]).to(tl.float32)
 
 
 # ---------------------------------------------------------------------------- recurrent form

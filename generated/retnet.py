@@ -20,7 +20,6 @@ SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was ren
 """
 import collections
 import functools
-import os
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -29,31 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
+# the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
+from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
+                                chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
+                                floor_log_decay)
+
 SPEC_NAME = "retnet"
 SPEC_HASH = "5138448ffe841d2e"
 SPEC = {'name': 'retnet', 'attention': 'linear', 'feature_map': 'identity', 'qk_norm': 'none', 'update': 'additive', 'decay': 'constant', 'normalize': 'none', 'mask': 'causal', 'scale': 'auto'}
 ATTNGEN_VERSION = "0.1.0"
 FORMS = ('recurrent', 'parallel', 'chunked')
-
-
-def interpreted():
-    """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def floor_log_decay(x):
-    # every log decay the kernels take a cumulative sum of is raised to -10000.0 where it
-    # is loaded (forms.LOG_DECAY_FLOOR), to -200.0 where the sum is taken in float32
-    # (planner.LOG_DECAY_FLOOR32): exp underflows to exactly 0 below either in float32 (and below
-    # -10000.0 in float64), and log decays are <= 0, so a sum with a floored term is too:
-    # results are unchanged, while a reset (g = -inf) no longer makes a difference of cumulative log
-    # decays -inf - -inf = NaN; NaN stays NaN
-    if x.dtype == tl.float64:
-        y = tl.where(x < -10000.0, -10000.0, x)
-    else:
-        y = tl.where(x < -200.0, -200.0, x)
-    return y
 
 
 @triton.jit
@@ -477,49 +461,6 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # at the rows qk_rows(o_tok), each key featurized by every value head that reads it.
 
 @triton.jit
-def chunked_round(x, DROP: tl.constexpr):
-    # fp32 (or bf16) -> the nearest value DROP mantissa bits shorter (ties to even), kept in fp32: the
-    # value a bf16 (DROP 16) or tf32 (DROP 13) tl.dot operand holds
-    b_bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    b_bits = (b_bits + ((1 << (DROP - 1)) - 1) + ((b_bits >> DROP) & 1)) & (0xFFFFFFFF ^ ((1 << DROP) - 1))
-    return b_bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def chunked_cast(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # float32 x -> dtype, to nearest (ties to even) as the GPU casts: Triton's interpreter truncates
-    # float32 to bf16, so there ("bf16_emulated") the value is rounded first and its cast is exact
-    if DOT_PRECISION == "bf16_emulated" and dtype == tl.bfloat16:
-        x = chunked_round(x, 16)
-    return x.to(dtype)
-
-
-@triton.jit
-def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
-    # a @ b (+ acc, float32) on float32 tiles (or bf16 ones, with "bf16*"). "ieee": fp32 products
-    # (fp64 inputs, and the interpreter); "tf32x3": fp32 inputs on the tensor cores, each operand
-    # split in two tf32 parts (three products, about fp32's accuracy); "tf32": fp16 inputs, operands
-    # rounded to tf32, which has fp16's mantissa and fp32's range (FAVOR+ features and states
-    # outgrow fp16's 65504); "bf16": bf16 operands. "*_emulated": the same operand rounding,
-    # multiplied in fp32 (Triton's interpreter multiplies bf16 operands as raw bits and tf32 ones
-    # unrounded). A sum of two products is one accumulating into the other (acc), never two dot
-    # results added.
-    if DOT_PRECISION == "bf16":
-        c = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    elif DOT_PRECISION == "bf16_emulated":
-        c = tl.dot(chunked_round(a, 16), chunked_round(b, 16), acc, input_precision="ieee")
-    elif DOT_PRECISION == "tf32":
-        c = tl.dot(a, b, acc, input_precision="tf32")
-    elif DOT_PRECISION == "tf32_emulated":
-        c = tl.dot(chunked_round(a, 13), chunked_round(b, 13), acc, input_precision="ieee")
-    elif DOT_PRECISION == "tf32x3":
-        c = tl.dot(a, b, acc, input_precision="tf32x3")
-    else:
-        c = tl.dot(a, b, acc, input_precision="ieee")
-    return c
-
-
-@triton.jit
 def chunked_keys_kernel(
     # pointers
     k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq,
@@ -714,41 +655,6 @@ def chunked_output_kernel(
     tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def chunked_dot_precision(dtype):
-    """The chunked kernels' DOT_PRECISION for inputs of this dtype."""
-    if dtype == torch.float16:
-        return "tf32_emulated" if interpreted() else "tf32"
-    if dtype == torch.bfloat16:
-        return "bf16_emulated" if interpreted() else "bf16"
-    return "ieee" if interpreted() or dtype == torch.float64 else "tf32x3"
-
-
-def chunked_decay_dtype(dtype):
-    """G_DTYPE: the dtype of the chunked kernels' cumulative log decays, G, its differences and the
-    decay gradient's sums inside a chunk. float64 for float32 and float64 inputs; float32 for 16-bit
-    ones, whose outputs round to 2^-8 (bf16) or 2^-11 (fp16) relative: a chunk's sums in float32 stay
-    within about 3e-5 of exact at log decays down to -5, and within 1e-3 with every one at the floor
-    (-200.0, floor_log_decay; planner.LOG_DECAY_FLOOR32). Half the registers of float64 tiles:
-    kda's training step 16.1 -> 12.8 ms on the H200 (bf16 B4 T8192 H16 K = V = 128; BENCHMARKS.md)."""
-    return tl.float32 if dtype in (torch.bfloat16, torch.float16) else tl.float64
-
-
-def chunk_slots(cu_seqlens, B, T, chunk):
-    """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
-    chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
-    chunk_seq[slot] is the slot's sequence. sum_n cdiv(len_n, chunk) <= cdiv(T, chunk) + N bounds
-    the slots without reading the lengths back to the host; spare slots map past the last
-    sequence's end."""
-    if cu_seqlens is None:
-        return None, None, B * triton.cdiv(T, chunk)
-    N = cu_seqlens.numel() - 1
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
-    ends = torch.cumsum(lens, 0)
-    n_slots = triton.cdiv(T, chunk) + N
-    chunk_seq = torch.searchsorted(ends, torch.arange(n_slots, device=cu_seqlens.device), right=True).clamp_(max=N - 1)
-    return ends - lens, chunk_seq, n_slots
-
-
 def chunked_dims(q, v, omega):
     """(B, T, H, K, V, F, VS) of a call: q [B, T, HK, K], v [B, T, H, V] (H the value heads), F
     features (FAVOR+'s rows of omega, else K) and VS state columns (V)."""
@@ -756,11 +662,6 @@ def chunked_dims(q, v, omega):
     H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
     return B, T, H, K, V, F, V
-
-
-def chunked_qk_group(q, v):
-    """QK_GROUP: the value heads of v per query / key head of q (grouped value heads; 1 without)."""
-    return v.shape[2] // q.shape[2]
 
 
 # The launch knobs of a call (chunk, tile sizes, warps, stages, registers) as the op takes them, a
@@ -783,18 +684,6 @@ def chunked_launch(launch):
     return launch
 
 
-def chunked_blocks(K, F, launch):
-    """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
-    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    return max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F)), launch.BV
-
-
-def chunked_check_chunk(chunk):
-    """The chunk sizes the chunked kernels take (their UT transform works in 16-token blocks)."""
-    if chunk not in (16, 32, 64):
-        raise ValueError(f"chunk: the chunked kernel takes 16, 32 or 64 tokens per chunk, got {chunk!r}")
-
-
 def chunked_states_dtype(dtype):
     """The dtype of the chunk-start states the forward's state pass stores for its output pass.
     The output pass reads them only as operands of its dot with the queries, which rounds them to
@@ -802,14 +691,6 @@ def chunked_states_dtype(dtype):
     take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
     both are bound by those bytes). The backward keeps float32 (its decay gradient sums h ⊙ dS)."""
     return chunked_pass_dtype(dtype)
-
-
-def chunked_pass_dtype(dtype):
-    """The dtype of the tiles the chunk-parallel step hands to the later passes (K ⊙ Γ_C/Γ; W, U, (I + A)^-1): bf16
-    for bf16 inputs, whose dots take bf16 operands (one rounding, the one those dots make anyway;
-    half the bytes), float32 otherwise: fp16 inputs' dots take tf32 operands for fp32's range
-    (features and (I + A)^-1 V outgrow fp16's 65504), fp32 and fp64 inputs keep fp32 accuracy."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 class ChunkedStates(NamedTuple):

@@ -19,7 +19,6 @@ SPEC_HASH and SPEC (the spec's canonical dict) say which spec the module was ren
 """
 import collections
 import functools
-import os
 import sys
 import warnings
 from typing import NamedTuple, Optional
@@ -28,16 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
+# the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
+from attngen.kernel_lib import (LOG2E, interpreted, packed_max_len, pow2_floor, softmax_lse_dtype)
+
 SPEC_NAME = "softmax_bidirectional"
 SPEC_HASH = "036a90a8a89426e7"
 SPEC = {'name': 'softmax_bidirectional', 'attention': 'softmax', 'decay': 'none', 'mask': 'bidirectional', 'scale': 'auto'}
 ATTNGEN_VERSION = "0.1.0"
 FORMS = ('parallel',)
 
-
-def interpreted():
-    """Triton's interpreter runs the kernels (CPU tensors, TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 # ---------------------------------------------------------------------------- softmax forward
 # FlashAttention-2 forward. One program per (query block, sequence x head) keeps its query
@@ -246,24 +244,6 @@ def softmax_combine_kernel(
     b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
     tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
     tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
-
-
-LOG2E = 1.4426950408889634
-
-
-def _pow2_floor(n):
-    return 1 << (max(n, 1).bit_length() - 1)
-
-
-def softmax_lse_dtype(dtype):
-    """The lse's dtype for inputs of `dtype`."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def packed_max_len(cu_seqlens, max_len):
-    """The longest packed sequence: max_len when the caller knows it, else read back from
-    cu_seqlens (a device sync)."""
-    return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
 # The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
@@ -647,7 +627,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     # 1. delta and lse2, [B, H, Tq] ([H, T] packed)
     delta = q.new_empty(lse.shape, dtype=acc)
     lse2 = q.new_empty(lse.shape, dtype=acc)
-    BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, _pow2_floor(8192 // BV)))
+    BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, pow2_floor(8192 // BV)))
     softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
         o, do, lse, dlse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, HAS_DLSE=dlse is not None,
         num_warps=4)
