@@ -83,3 +83,23 @@ def test_plot_sweeps_sequence_length_at_the_tokens_per_batch():
     assert (shapes[-1].batch, shapes[-1].q_len) == (1, 131072)
     decode = bench.sweep(parse_shape("4,8192,16,128,128,1"))
     assert {s.q_len for s in decode} == {1} and decode[-1].k_len == 131072
+
+
+def test_ncu_table_reads_the_raw_page():
+    """bench/ncu_kernels.py's table from ncu's raw CSV page (header, units, a row per kernel): the
+    kernel's short name, its columns scaled, '-' for a metric ncu did not report, the largest stalls."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_kernels.py"
+    module_spec = importlib.util.spec_from_file_location("ncu_kernels", path)
+    ncu = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(ncu)
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    raw = ('==PROF== Connected\n"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread",'
+           f'"{stall.format("barrier")}","{stall.format("long_scoreboard")}","{stall.format("wait")}"\n'
+           '"","","ns","register/thread","","",""\n'
+           '"0","chunked_ut_kernel(float*)","1,234,000","255","2.5","7.1","0.5"\n')
+    head, row = ncu.table(raw)
+    assert head.startswith("kernel") and "regs" in head
+    cells = row.split()
+    assert cells[0] == "ut" and cells[1] == "1234.0" and "255.0" in cells and cells[2] == "-"
+    assert row.endswith("long_scoreboard 7.1, barrier 2.5, wait 0.5")
