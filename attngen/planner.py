@@ -13,7 +13,7 @@ import torch
 
 from . import forms
 from .inputs import Call
-from .spec import KERNEL_CHUNKS, L2_EPS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32, NORM_EPS, Spec
+from .spec import KERNEL_CHUNKS, L2_EPS, NORM_EPS, Spec
 
 # The rule that picks a form (linear attention, per call). Sequences up to RECURRENT_MAX_LEN
 # tokens run the token loop; up to PARALLEL_MAX_LEN the quadratic form; longer, the chunked
@@ -746,8 +746,6 @@ class KernelSpec:
     window: int
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
-    log_decay_floor: float          # log decays are raised to it where the kernels load them
-    log_decay_floor32: float        # ... and to it where a kernel sums them in float32 (LOG_DECAY_FLOOR32)
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
@@ -808,7 +806,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, log_decay_floor=LOG_DECAY_FLOOR, log_decay_floor32=LOG_DECAY_FLOOR32, decay_span=DECAY_SPAN,
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), helpers=kernel_lib_names(spec),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 

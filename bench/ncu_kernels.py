@@ -80,7 +80,7 @@ def child(args) -> int:
 
     if args.launch:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import probe_launch  # noqa: F401 -- patches planner.fit_chunked with its OVERRIDE
+        import probe_launch  # patches planner.fit_chunked with its OVERRIDE
         probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
     op = attngen.load(SPECS / f"{args.specs}.yaml")
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)

@@ -50,14 +50,14 @@ planner.fit_softmax = _fit_softmax_with_override
 
 
 def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
-    """'knob=value,...' of ChunkedLaunch or of SoftmaxLaunch (not both in one variant)."""
-    items = [item.partition("=") for item in filter(None, text.split(","))]
-    cls = planner.SoftmaxLaunch if items and items[0][0] in planner.SoftmaxLaunch.knobs() else planner.ChunkedLaunch
-    knobs = set(cls.knobs())
+    """'knob=value,...' of ChunkedLaunch (linear specs) or SoftmaxLaunch (softmax ones); the launch of
+    the spec's family takes them (a knob of the other family fails that variant)."""
+    knobs = set(planner.ChunkedLaunch.knobs()) | set(planner.SoftmaxLaunch.knobs())
     out = {}
-    for name, _, value in items:
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
         if name not in knobs:
-            raise SystemExit(f"{option}: {name!r} is no {cls.__name__} knob; knobs: {', '.join(sorted(knobs))}")
+            raise SystemExit(f"{option}: {name!r} is no ChunkedLaunch or SoftmaxLaunch knob; knobs: {', '.join(sorted(knobs))}")
         if not value.isdigit():
             raise SystemExit(f"{option}: {name}={value!r}: the value is not allowed; allowed: a positive integer")
         out[name] = int(value)
@@ -145,7 +145,7 @@ def main() -> int:
             tuning._remembered.cache_clear()
             label = ",".join(f"{k}={v}" for k, v in variant.items()) or "planner"
             try:
-                launch = tuning.choose(op.spec, "chunked" if op.spec.is_linear else "softmax", attngen.runtime.check_call(op, big), dtype, "cuda").launch
+                launch = tuning.choose(op.spec, planner.launch_family(op.spec), attngen.runtime.check_call(op, big), dtype, "cuda").launch
                 worst = "-"
                 if not args.no_oracle:
                     rows = compare(op.spec, lambda **kw: op(**kw), small, dtype, with_grads=True, device="cuda")

@@ -286,7 +286,7 @@ def test_any_legal_spec_gradients(spec_dict, shape, initial_state):
 @pytest.mark.parametrize("name", ["gated_deltanet", "kda", "mamba2", "gla"])
 def test_16bit_decay_sums_through_resets(kernel_backward, name):
     """16-bit inputs sum their log decays in float32 (the templates' chunked_decay_dtype), each floored
-    at planner.LOG_DECAY_FLOOR32: a chunk whose first 56 tokens reset (g = -inf in the outputs;
+    at spec.LOG_DECAY_FLOOR32: a chunk whose first 56 tokens reset (g = -inf in the outputs;
     g = -300, below that floor, with the gradients, whose oracle is finite there) and whose last 8
     decay as drawn holds bf16's tolerance in the outputs, final state and every gradient. Floored at
     -1e4 instead, the resets sum to -5.6e5, whose float32 spacing (2^-5) rounds the last tokens'
