@@ -1361,7 +1361,7 @@ def chunked_bwd_dq_kernel(
     b_dq = b_dqh * b_gam[:, None]
     b_dq = chunked_dot(b_dP * b_D, b_k, DOT_PRECISION, b_dq)
     # the decay gradient's query terms q̂ ⊙ dq̂ (float32, by token; the pair s = t apart), for step 4b's sums
-    tl.store(dgq + o_tok, tl.sum(b_qs * b_dq, 1), mask=m_t)
+    tl.store(dgq + o_tok, tl.sum(b_q_hat * b_dq, 1) * scale, mask=m_t)
     # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k) * scale
     # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
