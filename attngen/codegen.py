@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import io
 import os
 import re
 import shutil
 import sys
 import tempfile
 import threading
+import tokenize
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +23,7 @@ from types import ModuleType
 
 import jinja2
 
-from . import __version__, planner, signature
+from . import __version__, kernel_lib, planner, signature
 from .spec import Spec
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -38,11 +40,20 @@ def _env() -> jinja2.Environment:
 
 
 def render(spec: Spec) -> str:
-    """The generated module's source: a pure function of the spec and attngen's version."""
+    """The generated module's source: a pure function of the spec and attngen's version. Rendered
+    twice: the second time with the import of the attngen.kernel_lib names the first one's code calls."""
     ks = planner.kernel_spec(spec)
     sig = signature.signatures(spec.attention, spec.decay)
-    source = _env().get_template("module.py.jinja").render(ks=ks, sig=sig, version=__version__)
-    return _tidy(source)
+    template = _env().get_template("module.py.jinja")
+    helpers = kernel_lib_calls(template.render(ks=ks, sig=sig, version=__version__, helpers=()))
+    return _tidy(template.render(ks=ks, sig=sig, version=__version__, helpers=helpers))
+
+
+def kernel_lib_calls(source: str) -> tuple[str, ...]:
+    """The names of attngen.kernel_lib that Python source uses (its code: comments and strings are not
+    looked at), sorted."""
+    names = {tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.NAME}
+    return tuple(sorted(names & set(kernel_lib.__all__)))
 
 
 def _tidy(source: str) -> str:

@@ -749,7 +749,6 @@ class KernelSpec:
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
-    helpers: tuple[str, ...]        # the names the module imports from attngen.kernel_lib (kernel_lib_names)
 
 
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
@@ -774,21 +773,6 @@ def ut_inverse(spec: Spec) -> str:
     return "doubling" if spec.decay == "vector" else "substitution"
 
 
-def kernel_lib_names(spec: Spec) -> tuple[str, ...]:
-    """What a spec's generated module takes from attngen.kernel_lib (the spec-independent helpers
-    and launch policy), sorted: each name its kernels or launchers call."""
-    names = {"floor_log_decay"} if spec.decay != "none" else set()
-    if spec.is_linear:
-        if spec.feature_map == "favor_plus":
-            names |= {"favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t"}
-        if spec.mask != "bidirectional":
-            names |= {"chunk_slots", "chunked_blocks", "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype",
-                      "chunked_dot", "chunked_dot_precision", "chunked_pass_dtype", "chunked_qk_group"}
-    else:
-        names |= {"LOG2E", "interpreted", "packed_max_len", "pow2_floor", "softmax_lse_dtype"}
-    return tuple(sorted(names))
-
-
 def kernel_spec(spec: Spec) -> KernelSpec:
     from . import algebra  # sympy only when generating code
 
@@ -807,7 +791,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
-        ut_inverse=ut_inverse(spec), helpers=kernel_lib_names(spec),
+        ut_inverse=ut_inverse(spec),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 

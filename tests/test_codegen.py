@@ -60,6 +60,42 @@ def test_any_legal_spec_renders_valid_python(spec_dict):
     assert source == codegen.render(spec)  # deterministic
 
 
+def test_kernel_lib_exports_its_public_definitions():
+    """kernel_lib.__all__ (what codegen may import into a module) names every public top-level function
+    and constant kernel_lib defines, and nothing else."""
+    import ast
+
+    from attngen import kernel_lib
+    tree = ast.parse(Path(kernel_lib.__file__).read_text())
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name) and t.id != "__all__"}
+    assert sorted(kernel_lib.__all__) == sorted(n for n in defined if not n.startswith("_"))
+
+
+def test_kernel_lib_calls_reads_code_not_comments_or_strings():
+    source = "x = chunked_cast(y)  # chunked_dot\ns = 'floor_log_decay'\nLOG2E * pow2_floorx\n"
+    assert codegen.kernel_lib_calls(source) == ("LOG2E", "chunked_cast")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(legal_specs())
+def test_module_imports_the_kernel_lib_names_it_calls(spec_dict):
+    """A generated module imports from attngen.kernel_lib exactly the names its code uses: each one
+    resolves in the loaded module, and no unused one is imported."""
+    import re
+
+    from attngen import kernel_lib
+    spec = load_spec(spec_dict)
+    source = codegen.render(spec)
+    block = re.search(r"^from attngen\.kernel_lib import \(([^)]*)\)", source, re.M)
+    imported = tuple(n.strip() for n in block.group(1).split(",") if n.strip()) if block else ()
+    rest = source if block is None else source[:block.start()] + source[block.end():]
+    assert imported == codegen.kernel_lib_calls(rest)
+    module = codegen.load_module(spec)
+    assert all(getattr(module, n) is getattr(kernel_lib, n) for n in imported)
+
+
 def _launches(module, fn: str) -> list[str]:
     """The kernels a generated launcher starts, in source order (chunked_states expanded)."""
     import inspect
