@@ -749,6 +749,10 @@ class KernelSpec:
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
     decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
+    chunked_fwd_steps: tuple[str, ...]  # the chunked forward's step kernels in launch order (chunked_steps), each
+                                        # rendered from templates/chunked/<step>.py.jinja
+    chunked_bwd_steps: tuple[str, ...]  # the chunked backward's own step kernels in launch order, each rendered
+                                        # from templates/chunked_bwd/<step>.py.jinja (the forward's it recomputes apart)
 
 
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
@@ -784,6 +788,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         phi = phi_grad = "x"
         feature = "favor_plus" if spec.is_linear else "identity"
     family = launch_family(spec)
+    forward, backward = chunked_steps(spec)
     return KernelSpec(
         name=spec.name, spec_hash=spec.hash, spec_dict=repr(spec.to_dict()), semantics=spec.describe(),
         attention=spec.attention,
@@ -791,7 +796,8 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
-        ut_inverse=ut_inverse(spec),
+        ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
+        chunked_bwd_steps=step_names(tuple(s for s in backward if s[0] not in dict(forward)), "chunked_bwd_"),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 
@@ -841,6 +847,11 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
                       "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)
     return forward, backward
+
+
+def step_names(steps: tuple[tuple[str, str], ...], prefix: str) -> tuple[str, ...]:
+    """The step templates' names of chunked_steps' kernels: chunked_bwd_dq_kernel -> dq."""
+    return tuple(kernel.removeprefix(prefix).removesuffix("_kernel") for kernel, _ in steps)
 
 
 def explain(plan_: Plan) -> str:

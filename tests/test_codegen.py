@@ -121,3 +121,16 @@ def test_explained_chunked_steps_are_the_generated_launches(spec_dict):
     assert [k for k, _ in backward] == (_launches(module, "chunked_bwd") if module.CHUNKED_BACKWARD else [])
     defined = {n for n in vars(module) if n.startswith("chunked_") and n.endswith("_kernel")}
     assert defined == {k for k, _ in forward + backward} | ({"chunked_output_kernel"} if forward else set())
+
+
+def test_every_step_template_is_a_step_the_planner_names():
+    """templates/chunked/ and templates/chunked_bwd/ hold one template per step kernel of
+    planner.chunked_steps and nothing else (over the shipped specs, which take every step)."""
+    templates = ROOT / "attngen" / "templates"
+    fwd, bwd = set(), set()
+    for path in SPECS:
+        ks = planner.kernel_spec(load_spec(path))
+        fwd |= set(ks.chunked_fwd_steps)
+        bwd |= set(ks.chunked_bwd_steps)
+    assert fwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked").glob("*.jinja")}
+    assert bwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked_bwd").glob("*.jinja")}
