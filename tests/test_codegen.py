@@ -74,8 +74,23 @@ def test_kernel_lib_exports_its_public_definitions():
 
 
 def test_kernel_lib_calls_reads_code_not_comments_or_strings():
-    source = "x = chunked_cast(y)  # chunked_dot\ns = 'floor_log_decay'\nLOG2E * pow2_floorx\n"
+    source = ("x = chunked_cast(y)  # chunked_dot\ns = 'floor_log_decay' + \"it's # pow2_floor\"\n"
+              '"""interpreted\n"""\nLOG2E * pow2_floorx\n')
     assert codegen.kernel_lib_calls(source) == ("LOG2E", "chunked_cast")
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(legal_specs())
+def test_kernel_lib_calls_reads_the_names_a_tokenizer_reads(spec_dict):
+    """kernel_lib_calls' one regex pass reads, in a rendered module, the kernel_lib names Python's
+    tokenizer reads as NAME tokens (comments and strings apart)."""
+    import io
+    import tokenize
+
+    from attngen import kernel_lib
+    source = codegen.render(load_spec(spec_dict))
+    names = {t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.NAME}
+    assert codegen.kernel_lib_calls(source) == tuple(sorted(names & set(kernel_lib.__all__)))
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
