@@ -797,7 +797,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
-        chunked_bwd_steps=step_names(tuple(s for s in backward if s[0] not in dict(forward)), "chunked_bwd_"),
+        chunked_bwd_steps=step_names(backward, "chunked_bwd_"),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 
@@ -850,8 +850,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
 
 
 def step_names(steps: tuple[tuple[str, str], ...], prefix: str) -> tuple[str, ...]:
-    """The step templates' names of chunked_steps' kernels: chunked_bwd_dq_kernel -> dq."""
-    return tuple(kernel.removeprefix(prefix).removesuffix("_kernel") for kernel, _ in steps)
+    """The step templates' names of chunked_steps' kernels named prefix...: chunked_bwd_dq_kernel -> dq
+    (prefix chunked_bwd_: the backward's own steps, not the forward's it recomputes)."""
+    return tuple(kernel.removeprefix(prefix).removesuffix("_kernel") for kernel, _ in steps if kernel.startswith(prefix))
 
 
 def explain(plan_: Plan) -> str:
