@@ -111,12 +111,13 @@ def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
 
 def dry_run(module, args: tuple, backward: bool) -> None:
     """A generated module's op(*args) and, with `backward`, its backward as autograd would call it
-    (the gradient of o, and zeros for the other outputs): inside compile_only(), the launches of a
+    (the gradient of o, and None for the other outputs: the op's autograd does not materialize
+    zeros for them): inside compile_only(), the launches of a
     call's forward and backward. The backward is called here, not through autograd, whose engine
     runs a CUDA backward on a thread of its own, outside compile_only()."""
     with torch.no_grad():
         outs = module.op(*args)
         if backward:
             n = len(module.SAVED_INPUTS)
-            grads = (torch.empty_like(outs[0]), *map(torch.zeros_like, outs[1:]))
+            grads = (torch.empty_like(outs[0]), *[None] * (len(outs) - 1))
             module.backward(*args[:n], *args[n:], *outs, *grads)

@@ -305,6 +305,7 @@ class ChunkedLaunch(Launch):
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
     bwd_wy_warps: int = knob("bwd", "warps", (4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
+    bwd_wu_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of W, U0 and the keys from the forward's (I + A)^-1 where the backward reuses it (its chunk divides the forward's)
     bwd_states_BV: int = knob("bwd", "block", (16, 32, 64, 128))  # value lanes per program of the backward's sequential state-gradient pass
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
@@ -465,6 +466,11 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     wu_warps, bwd_wy_warps = (0, 4)
     if dtype == torch.bfloat16 and spec.update == "delta" and spec.decay == "vector":
         wu_warps, bwd_wy_warps = 4, 8
+    # The backward's W, U0 and keys from the forward's (I + A)^-1 (where its chunk divides the
+    # forward's) at two warps: B4 T8192 H16 K = V = 128 bf16 on the H200, fwd+bwd gated_deltanet 5.826
+    # ms at four, 5.793 at two, 5.856 at eight; deltanet 4.070, 4.046, 4.075 (BENCHMARKS.md 2026-12-02, fifth run).
+    # Four for the other dtypes, as the UT step's (their tf32 dots' float32 tiles)
+    bwd_wu_warps = 2 if dtype == torch.bfloat16 else 4
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
@@ -472,6 +478,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
         bwd_wy_warps=bwd_wy_warps,
+        bwd_wu_warps=bwd_wu_warps,
         bwd_states_BV=BV,
         bwd_stages=bwd_stages,
         bwd_ds_stages=bwd_stages,
@@ -502,7 +509,7 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # and four warps.
         if spec.update == "delta" and spec.decay != "vector" and max(launch.prepare_warps, launch.wu_warps) >= 4:
             fwd_chunk = min(fwd_chunk, 32)
-        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_wy_warps) >= 4:
+        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_wy_warps, launch.bwd_wu_warps) >= 4:
             bwd_chunk = min(bwd_chunk, 32)
     output_BV = launch.output_BV
     if dtype == torch.bfloat16 and spec.normalize == "sum":
@@ -513,7 +520,7 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     V = lanes(call.value_dim)
     if spec.update != "delta":
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
-        launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4)
+        launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
         output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_chunk=bwd_chunk))
@@ -830,6 +837,13 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
+    if delta:
+        # a differentiated forward keeps (I + A)^-1 where the backward's chunk divides its own: its
+        # diagonal blocks are the backward chunks' inverses (the template's chunked_keeps_inverse)
+        prepare = (prepare[0][0], prepare[0][1] + "; not where the forward kept (I + A)^-1 (the backward's "
+                   "chunk divides the forward's)"), (prepare[1][0], prepare[1][1].replace(
+                       "where the launch's wu_warps > 0", "where the launch's wu_warps > 0, or at bwd_wu_warps "
+                       "from the forward's (I + A)^-1 where it kept it"))
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)

@@ -136,7 +136,7 @@ class Op:
             # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
             args = LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=cache.state,
                                   cu_seqlens=cu_seqlens, scale=call.scale, form=kform, launch=launch,
-                                  output_final_state=True)
+                                  output_final_state=True, for_backward=False)
             return self._kernels.forward(*args, state_indices=slots)[0], None
         run = lambda s0: self._run_torch(call, choice, q, k, v, g, beta, s0, True, cu_seqlens)
         return serving.run_torch(run, cache, slots), None
@@ -315,19 +315,20 @@ class Op:
             self._kernels = kernels_for(self)
         module = self._kernels
         form, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
+        form = form if self.spec.is_linear else "parallel"
+        # whether the call's backward runs the kernels: the linear forward then keeps what they reuse
+        backward = torch.is_grad_enabled() and form in module.BACKWARD_FORMS and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in (q, k, v, g, beta, initial_state))
         if self.spec.is_linear:
             omega = self.features(call.head_dim, q.device, torch.float32)
             args = LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=initial_state,
                                   cu_seqlens=cu_seqlens, scale=call.scale, form=form, launch=launch,
-                                  output_final_state=bool(output_final_state))
+                                  output_final_state=bool(output_final_state), for_backward=backward)
         else:
-            form = "parallel"
             args = SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=cu_seqlens, scale=call.scale,
                                    max_len=call.max_len, launch=launch)
         if compiling.applies(q.device):
             # the first call of its kind compiles the forward's and backward's kernels side by side
-            backward = torch.is_grad_enabled() and form in module.BACKWARD_FORMS and any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in args)
             names = (LINEAR_OP if self.spec.is_linear else SOFTMAX_OP).names
             kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state),
                     *(_compile_kind(n, a) for n, a in zip(names, args)))
@@ -335,7 +336,7 @@ class Op:
         if not self.spec.is_linear:
             o, lse = module.op(*args)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
-        o, ht = module.op(*args)
+        o, ht, _ = module.op(*args)
         return o, (ht if output_final_state else None)
 
 

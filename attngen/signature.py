@@ -41,7 +41,9 @@ class Arg:
         return self.name if self.default is None else f"{self.name}={self.default}"
 
     def annotated(self) -> str:
-        return f"{self.name}: {_ANNOTATIONS[self.kind]}"
+        """`name: annotation` or `name: annotation = default`, as in a custom op's def line."""
+        text = f"{self.name}: {_ANNOTATIONS[self.kind]}"
+        return text if self.default is None else f"{text} = {self.default}"
 
     def schema(self) -> str:
         text = f"{self.kind} {self.name}"
@@ -192,6 +194,10 @@ SCALE = Arg("scale", "float", "the query scale")
 FORM = Arg("form", "str", "the kernel form: recurrent, chunked or bidirectional")
 LAUNCH = Arg("launch", "SymInt[]", "the form's launch knobs (planner.Launch.ints); [] for none")
 OUTPUT_FINAL_STATE = Arg("output_final_state", "bool", "whether the final state is returned")
+FOR_BACKWARD = Arg("for_backward", "bool", "whether the call will be differentiated: the forward then returns what its "
+                   "backward reuses (`saved`)", default="False")
+SAVED = Arg("saved", "Tensor", "what the forward kept for its backward (the delta rules' rows of (I + A)^-1); empty: "
+            "the backward recomputes it")
 DO = Arg("do", "Tensor", "the gradient of a loss on the output o")
 DHT = Arg("dht", "Tensor?", "the final state's gradient; None where no loss reached it")
 STATE = Arg("state", "Tensor", "a StateCache's states [S, H, F, VS], read and written in place")
@@ -217,9 +223,9 @@ def _contract(arg: Arg, kind: str | None = None, default: str = "None") -> Arg:
 
 # The generated linear op: its tensor inputs (saved for the backward), then the call's other values.
 LINEAR_INPUTS = OpSignature((Q, K, V, G, BETA, OMEGA, INITIAL_STATE, CU_SEQLENS))
-LINEAR_OP = LINEAR_INPUTS + OpSignature((SCALE, FORM, LAUNCH, OUTPUT_FINAL_STATE))
+LINEAR_OP = LINEAR_INPUTS + OpSignature((SCALE, FORM, LAUNCH, OUTPUT_FINAL_STATE, FOR_BACKWARD))
 LINEAR_CACHED = OpSignature((Q, K, V, G, BETA, OMEGA, STATE, SLOTS, CU_SEQLENS, SCALE, FORM, LAUNCH))
-LINEAR_BACKWARD = LINEAR_OP.without("output_final_state") + OpSignature((DO, DHT))
+LINEAR_BACKWARD = LINEAR_OP.without("output_final_state", "for_backward") + OpSignature((SAVED, DO, DHT))
 LINEAR_CONTRACT = OpSignature((
     Q, K, V, _contract(G), _contract(BETA), _contract(SCALE, "float?"), _contract(INITIAL_STATE),
     _contract(OUTPUT_FINAL_STATE, default="False"), _contract(CU_SEQLENS)))

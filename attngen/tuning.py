@@ -665,7 +665,8 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
 
         def args(launch):
             return LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=None, cu_seqlens=None,
-                                  scale=call.scale, form="chunked", launch=launch.ints(), output_final_state=False)
+                                  scale=call.scale, form="chunked", launch=launch.ints(), output_final_state=False,
+                                  for_backward=True)
     else:
         def args(launch):
             return SOFTMAX_OP.bind(q=q, k=k, v=v, g=g, cu_seqlens=None, scale=call.scale, max_len=call.max_len,

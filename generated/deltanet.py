@@ -690,10 +690,11 @@ def chunked_wu_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr, AI_W: tl.constexpr,
 ):
-    # the UT step's second kernel, where the launch splits it (wu_warps > 0): one program per chunk
-    # slot and head, from the rows of (I + A)^-1 chunked_ut_kernel stored, W, U0, K ⊙ Γ_C/Γ
+    # the UT step's second kernel, where the launch splits it (wu_warps > 0) or the backward reads a
+    # forward's inverse (chunked_keeps_inverse): one program per chunk slot and head, from the rows of
+    # (I + A)^-1 chunked_ut_kernel stored (AI_W wide: BT, or the forward's chunk), W, U0, K ⊙ Γ_C/Γ
     # for the state pass, at warps of their own: the inverse's 16-row blocks and these [BT, BT] dots
     # are fastest at different warps, and each kernel holds fewer live tiles than the two in one
     i_s, i_h = tl.program_id(0), tl.program_id(1)
@@ -728,8 +729,9 @@ def chunked_wu_kernel(
     b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
     # [BT, BF] diag(β) K
     b_y = b_k * b_beta[:, None]
-    # [BT, BT]
-    b_Ai = tl.load(ai + o_tok[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    # [BT, BT] the chunk's diagonal block of the stored rows, AI_W wide (a forward's, at a chunk AI_W a
+    # multiple of BT: chunked_keeps_inverse)
+    b_Ai = tl.load(ai + o_tok[:, None] * AI_W + (i_c * BT) % AI_W + o_i[None, :], mask=m_t[:, None], other=0.0)
     # [BT, BF] W = (I + A)^-1 diag(β) (K)
     b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
     tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
@@ -893,7 +895,7 @@ def chunked_dims(q, v, omega):
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
     "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_wy_warps bwd_states_BV bwd_stages bwd_ds_stages"  # bwd
+    "bwd_chunk bwd_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -906,6 +908,23 @@ def chunked_launch(launch):
     chunked_check_chunk(launch.chunk)
     chunked_check_chunk(launch.bwd_chunk)
     return launch
+
+
+def chunked_keeps_inverse(launch):
+    """Whether a differentiated forward keeps the rows of (I + A)^-1 for its backward, which then
+    skips the UT step's inverse and computes only W, U0 and the keys from them (chunked_wu_kernel).
+    Where the backward's chunk divides the forward's: A's diagonal [bwd_chunk, bwd_chunk] blocks are
+    the backward chunks' own A (the decay ratios are relative), and the inverse of a block lower
+    triangular matrix has the inverses of its diagonal blocks on its diagonal."""
+    return launch.chunk % launch.bwd_chunk == 0
+
+
+def chunked_saved_like(q, v, form, launch, for_backward):
+    """An empty tensor like the op's `saved` output (chunked_fwd's), for the op's fake."""
+    if form == "chunked" and for_backward and chunked_keeps_inverse(chunked_launch(launch)):
+        return q.new_empty(q.shape[0], q.shape[1], v.shape[2], chunked_launch(launch).chunk,
+                           dtype=chunked_pass_dtype(q.dtype))
+    return q.new_empty(0, dtype=torch.float32)
 
 
 def chunked_states_dtype(dtype):
@@ -932,14 +951,15 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None, h_dtype=torch.float32):
+                   state_indices=None, h_dtype=torch.float32, ai=None):
     """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
-    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).    ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
+    diagonal [chunk, chunk] blocks this call reads in place of the UT step's inverse."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -948,17 +968,22 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     # the rows of (I + A)^-1, W, the keys K ⊙ Γ_C/Γ and U0 (the state pass writes U over it)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
-    ai = torch.empty(B, T, H, chunk, **tiles)
+    kept = ai is not None
+    ai = ai if kept else torch.empty(B, T, H, chunk, **tiles)
     w, kr, u = torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, F, **tiles), torch.empty(B, T, H, V, **tiles)
     gc = None
     ut_args = (k, v, g, beta, omega, ai, w, kr, u, gc, cu_seqlens, chunk_offsets, chunk_seq,
                T, H, K, V, F, K ** -0.25, F ** -0.5)
     ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), maxnreg=launch.maxnreg,
                    **meta)
-    chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps, **ut_meta)
-    if launch.wu_warps:
-        # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps)
-        chunked_wu_kernel[(n_slots, H)](*ut_args, num_warps=launch.wu_warps, **ut_meta)
+    if not kept:
+        chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps,
+                                        **ut_meta)
+    if kept or launch.wu_warps:
+        # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps), or from the rows a
+        # forward kept, ai.shape[-1] wide, at the backward's warps for them (bwd_wu_warps)
+        warps = launch.bwd_wu_warps if kept else launch.wu_warps
+        chunked_wu_kernel[(n_slots, H)](*ut_args, AI_W=ai.shape[-1], num_warps=warps, **ut_meta)
     h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
     indexed = state_indices is not None
     if indexed:
@@ -975,15 +1000,17 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
-                state_indices=None):
+                for_backward=False, state_indices=None):
     """Launch the chunked form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
     grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
-    None; the cache, with state_indices: see chunked_states)."""
+    None; the cache, with state_indices: see chunked_states), `saved`: what chunked_bwd reuses (with
+    for_backward, the rows of (I + A)^-1 where chunked_keeps_inverse) or None."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
+    saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None
     # the output pass reads the states and U only: the rest goes back before o is allocated
     st = st._replace(kr=None, gc=None, w=None, ai=None)
     o = torch.empty_like(v)
@@ -994,7 +1021,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
         num_warps=launch.output_warps, maxnreg=launch.maxnreg,
     )
-    return o, st.ht
+    return o, st.ht, saved
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
 # Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,
 # with chunk-start state h_c, the gradient dS of the chunk-end state, P the decayed causal scores,
@@ -1332,7 +1359,7 @@ def chunked_bwd_wy_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, AI_W: tl.constexpr,
 ):
     # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
     # dW = -dU h_c^T -> dv, dβ, dk
@@ -1365,8 +1392,9 @@ def chunked_bwd_wy_kernel(
     m_tf = m_t[:, None] & m_f[None, :]
     # [BT] (0 on padded tokens)
     b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-    # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows
-    b_Tt = tl.load(ai + o_tok[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)
+    # [BT, BT] T^T = ((I + A)^-1)^T, loaded transposed from chunked_ut_kernel's rows, AI_W wide (BT, or
+    # the forward's chunk, whose diagonal block this chunk's is: chunked_keeps_inverse)
+    b_Tt = tl.load(ai + o_tok[None, :] * AI_W + (i_c * BT) % AI_W + o_i[:, None], mask=m_t[None, :], other=0.0)
 
     # by value blocks (the keys and decays are loaded after this loop, which does not read them):
     # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T; [BT, BF] dW = -dU h_c^T
@@ -1443,8 +1471,9 @@ def chunked_bwd_states_dtype(dtype):
     return chunked_pass_dtype(dtype)
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, do, dht):
-    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch ->
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht):
+    """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch,
+    saved what chunked_fwd kept for it (the rows of (I + A)^-1 or an empty tensor) ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
     chunk = launch.bwd_chunk
@@ -1457,9 +1486,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     B, T, H, K, V, F, _ = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
-    # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, (I + A)^-1
+    # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, (I + A)^-1;
+    # W, U0 and the keys from the forward's (I + A)^-1 where it kept it (chunked_keeps_inverse)
+    ai = saved if saved is not None and saved.numel() else None
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
-                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype))
+                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype), ai=ai)
     f32 = dict(device=q.device, dtype=torch.float32)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
@@ -1510,17 +1541,18 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     da = torch.empty(st.n_slots, H, chunk, chunk, **f32)
     chunked_bwd_wy_kernel[(st.n_slots, H)](
         k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
-        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, num_warps=launch.bwd_wy_warps),
+        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, AI_W=st.ai.shape[-1], **dict(parallel, num_warps=launch.bwd_wy_warps),
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and chunked (the parallel form is one chunk spanning the sequence).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
             state_indices=None):
     """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
-    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None, what the backward
+    reuses or None: with for_backward, chunked_fwd's `saved`).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -1529,31 +1561,34 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                             state_indices)
+        return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                               state_indices), None)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
-                       output_final_state, state_indices)
+                       output_final_state, for_backward, state_indices)
 
 
 @torch.library.custom_op("attngen::deltanet_c923b713b2e0c3ef", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state)
-    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+    scale: float, form: str, launch: list[int], output_final_state: bool, for_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (o, the final state or an empty tensor, what the backward reuses or an empty tensor)
+    o, ht, saved = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+                           for_backward)
+    empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731 (a tensor each: outputs may not alias)
+    return o, ht if ht is not None else empty(), saved if saved is not None else empty()
 
 
 @op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward):
     B, T, _, K = q.shape
     H = v.shape[2]  # the value heads
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht
+    return torch.empty_like(v), ht, chunked_saved_like(q, v, form, launch, for_backward)
 
 
 @torch.library.custom_op("attngen::deltanet_c923b713b2e0c3ef_cached", mutates_args=("state",))
@@ -1564,7 +1599,7 @@ def cached_op(
 ) -> torch.Tensor:
     # A serving call (attngen.StateCache): sequence n starts from row slots[n] of state [S, H, F, VS]
     # float32 and its final state is written back there, in place; inference only (no autograd).
-    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, launch, True, slots)[0]
+    return forward(q, k, v, g, beta, omega, state, cu_seqlens, scale, form, launch, True, False, slots)[0]
 
 
 @cached_op.register_fake
@@ -1582,27 +1617,29 @@ BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], do: torch.Tensor, dht: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
-        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), do, dht)
+        grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), saved,
+                            do, dht)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
-             dht):
-    """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
-    (None for omega and cu_seqlens, and for inputs that were None).
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
+             o, ht, saved, do, dht, dsaved=None):
+    """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
+    (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
+    order (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
     expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
     summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
@@ -1610,7 +1647,7 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     group = v.shape[2] // q.shape[2]
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     dq, dk, dv, dg, dbeta, dh0 = backward_op(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form,
-                                             launch, do.contiguous(), dht)
+                                             launch, saved, do.contiguous(), dht)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
@@ -1634,6 +1671,9 @@ SAVED_INPUTS = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlen
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[: len(SAVED_INPUTS)], *output)
     ctx.rest = inputs[len(SAVED_INPUTS):]
+    # an output no loss reached has the gradient None, not zeros allocated for the backward (the linear
+    # op's `saved`, for its backward only; an unused final state)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
@@ -1654,6 +1694,8 @@ def _backward(ctx, *grads):
 
 def _first_order(ctx, *grads):
     inputs, outputs = ctx.saved_tensors[: len(SAVED_INPUTS)], ctx.saved_tensors[len(SAVED_INPUTS):]
+    # the output's gradient a tensor even where no loss reached the output
+    grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
     if form in BACKWARD_FORMS:
         got = backward(*inputs, *ctx.rest, *outputs, *grads)

@@ -1009,6 +1009,9 @@ SAVED_INPUTS = ("q", "k", "v", "g", "cu_seqlens")
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[: len(SAVED_INPUTS)], *output)
     ctx.rest = inputs[len(SAVED_INPUTS):]
+    # an output no loss reached has the gradient None, not zeros allocated for the backward (the linear
+    # op's `saved`, for its backward only; an unused final state or lse)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
@@ -1029,6 +1032,8 @@ def _backward(ctx, *grads):
 
 def _first_order(ctx, *grads):
     inputs, outputs = ctx.saved_tensors[: len(SAVED_INPUTS)], ctx.saved_tensors[len(SAVED_INPUTS):]
+    # the output's gradient a tensor even where no loss reached the output
+    grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = "parallel"
     if form in BACKWARD_FORMS:
         got = backward(*inputs, *ctx.rest, *outputs, *grads)

@@ -572,10 +572,10 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and bidirectional (state, then readout).
 
-def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
             state_indices=None):
     """Run the kernels of one form (launch: [], these kernels take no launch knobs). Returns
-    (o [B, T, H, V], final state [N, H, F, Vs] or None).
+    (o [B, T, H, V], final state [N, H, F, Vs] or None, None: the backward reuses nothing).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -584,30 +584,33 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     initial_state = initial_state.contiguous() if initial_state is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
-        return recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                             state_indices)
-    return bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state)
+        return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
+                               state_indices), None)
+    return (*bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state), None)
 
 
 @torch.library.custom_op("attngen::performer_bidirectional_0370031a32b3922a", mutates_args=())
 def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], output_final_state: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, ht = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state)
-    return o, ht if ht is not None else q.new_empty(0, dtype=torch.float32)
+    scale: float, form: str, launch: list[int], output_final_state: bool, for_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (o, the final state or an empty tensor, what the backward reuses or an empty tensor)
+    o, ht, saved = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
+                           for_backward)
+    empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731 (a tensor each: outputs may not alias)
+    return o, ht if ht is not None else empty(), saved if saved is not None else empty()
 
 
 @op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward):
     B, T, _, K = q.shape
     H = v.shape[2]  # the value heads
     F = omega.shape[0] if omega is not None else K
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1] + 1
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht
+    return torch.empty_like(v), ht, q.new_empty(0, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------- the backward
@@ -620,7 +623,7 @@ BACKWARD_FORMS = RECURRENT_BACKWARD
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], do: torch.Tensor, dht: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
     if form == "recurrent":
@@ -632,15 +635,16 @@ def backward_op(
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
 
 
-def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, o, ht, do,
-             dht):
-    """Gradients of one call: (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input order
-    (None for omega and cu_seqlens, and for inputs that were None).
+def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
+             o, ht, saved, do, dht, dsaved=None):
+    """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
+    (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
+    order (None for omega and cu_seqlens, and for inputs that were None).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
     expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
     summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
@@ -648,7 +652,7 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     group = v.shape[2] // q.shape[2]
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     dq, dk, dv, dg, dbeta, dh0 = backward_op(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form,
-                                             launch, do.contiguous(), dht)
+                                             launch, saved, do.contiguous(), dht)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
@@ -672,6 +676,9 @@ SAVED_INPUTS = ("q", "k", "v", "g", "beta", "omega", "initial_state", "cu_seqlen
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[: len(SAVED_INPUTS)], *output)
     ctx.rest = inputs[len(SAVED_INPUTS):]
+    # an output no loss reached has the gradient None, not zeros allocated for the backward (the linear
+    # op's `saved`, for its backward only; an unused final state)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
@@ -692,6 +699,8 @@ def _backward(ctx, *grads):
 
 def _first_order(ctx, *grads):
     inputs, outputs = ctx.saved_tensors[: len(SAVED_INPUTS)], ctx.saved_tensors[len(SAVED_INPUTS):]
+    # the output's gradient a tensor even where no loss reached the output
+    grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
     if form in BACKWARD_FORMS:
         got = backward(*inputs, *ctx.rest, *outputs, *grads)

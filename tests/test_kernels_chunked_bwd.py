@@ -5,6 +5,8 @@ CPU (DESIGN.md §7). Every check also asserts that the generated backward ran, n
 recompute."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -259,7 +261,7 @@ def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backwa
     module = codegen.load_module(op.spec)
     assert "chunked" not in module.BACKWARD_FORMS
     with pytest.raises(ValueError, match="constant"):
-        module.chunked_bwd(*[None] * 12)
+        module.chunked_bwd(*[None] * 13)
     calls.clear()
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, heads=1, head_dim=8, value_dim=6))
     rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
@@ -303,3 +305,64 @@ def test_16bit_decay_sums_through_resets(kernel_backward, name):
     assert calls, "the generated chunked backward did not run"
     assert not failures, "\n".join(failures)
 
+
+
+class _Counted:
+    """A Triton kernel whose launches (kernel[grid](...)) are counted."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("name, chunk, bwd_chunk, cu_seqlens", [
+    ("gated_deltanet", 64, 32, None), ("gated_deltanet", 64, 16, (0, 1, 40, 100, 131)),
+    ("deltanet", 32, 32, None), ("kda", 32, 16, (0, 19, 83)), ("kda", 16, 32, None), ("mamba2", 64, 32, None),
+])
+def test_backward_reads_the_forwards_inverse(monkeypatch, name, chunk, bwd_chunk, cu_seqlens):
+    """A differentiated delta-rule forward returns its rows of (I + A)^-1 where the backward's chunk
+    divides its own (chunked_keeps_inverse), and the backward then runs no UT step of its own, only
+    W, U0 and the keys from their diagonal blocks: its gradients equal those of the backward that
+    recomputes the inverse (float32 rounding apart). Elsewhere (the backward's chunk larger, the
+    additive rule, a forward not differentiated) the forward keeps nothing."""
+    from attngen.signature import LINEAR_OP
+
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    batch = 1 if cu_seqlens else 2
+    T = cu_seqlens[-1] if cu_seqlens else 100
+    inputs = random_inputs(op.spec, Shape(batch=batch, q_len=T, heads=2, head_dim=8, value_dim=6, cu_seqlens=cu_seqlens),
+                           seed=chunk + bwd_chunk)
+    form, ints = kernel_launch(op, inputs, "chunked", chunk)
+    launch = dataclasses.replace(planner.ChunkedLaunch(*ints), chunk=chunk, bwd_chunk=bwd_chunk).ints()
+    keeps = op.spec.update == "delta" and chunk % bwd_chunk == 0
+    ut_calls, wu_calls = [], []
+    for kernel, calls in (("chunked_ut_kernel", ut_calls), ("chunked_wu_kernel", wu_calls)):
+        if hasattr(module, kernel):  # the delta rules' (the additive rule has neither)
+            monkeypatch.setattr(module, kernel, _Counted(getattr(module, kernel), calls))
+
+    def args(for_backward):
+        return LINEAR_OP.bind(**{n: inputs.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")},
+                              omega=None, scale=0.5, form=form, launch=launch, output_final_state=True,
+                              for_backward=for_backward)
+
+    o, ht, saved = module.op(*args(True))
+    B, T_, H = inputs["v"].shape[:3]
+    assert tuple(saved.shape) == ((B, T_, H, chunk) if keeps else (0,))
+    assert module.op(*args(False))[2].numel() == 0
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(2))
+    ut_calls.clear(), wu_calls.clear()
+    reused = module.backward(*args(True), o, ht, saved, do, dht)
+    if keeps:
+        assert (len(ut_calls), len(wu_calls)) == (0, 1)
+    else:
+        assert len(ut_calls) == (op.spec.update == "delta")
+    recomputed = module.backward(*args(True), o, ht, torch.empty(0), do, dht)
+    for got, ref in zip(reused, recomputed):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            assert rel_error(got, ref) < 1e-5

@@ -33,8 +33,9 @@ def test_the_backward_releases_what_its_later_steps_do_not_read():
     tok16, tok32 = B * T * H * D * 2, B * T * H * D * 4
     states = lambda chunk: (T // chunk) * B * H * D * D * 2  # noqa: E731  [slots, H, F, V] bf16
     live = {
-        # step 4b: h_c and dS, U, dU, dq, the output, (I + A)^-1 rows, step 4's dk̂ (float32), dgq, dg part
-        "gated_deltanet": 2 * states(32) + 4 * tok16 + B * T * H * 32 * 2 + tok32 + 2 * B * T * H * 4,
+        # step 4b: h_c and dS, U, dU, dq, the output, (I + A)^-1 rows (the forward's, at its 64-token
+        # chunks), step 4's dk̂ (float32), dgq, dg part
+        "gated_deltanet": 2 * states(32) + 4 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4,
         # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
         "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32,
     }

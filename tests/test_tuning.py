@@ -75,7 +75,7 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_states_BV=32, bwd_stages=3,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_stages=3,
         bwd_ds_stages=3)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
@@ -96,7 +96,7 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_states_BV=32, bwd_stages=3,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_stages=3,
         bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
@@ -564,8 +564,8 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
 
     def op(*args):
         launches.append(args[10])
-        o, ht = real_op(*args)
-        return (o * 2 if args[10][:2] == [16, 16] else o), ht    # chunk 16 with BV 16: wrong outputs
+        o, ht, saved = real_op(*args)
+        return (o * 2 if args[10][:2] == [16, 16] else o), ht, saved    # chunk 16 with BV 16: wrong outputs
 
     def timer(fn):
         fn()
