@@ -514,35 +514,24 @@ def chunked_ut_kernel(
     m_k, m_f = o_k < K, o_f < F
     m_lower = o_j[:, None] > o_j[None, :]
     m_eye = o_j[:, None] == o_j[None, :]
-    # ---- block 0: tokens 0 .. 15 of the chunk
-    o_t0 = i_c * BT + 0 + o_j
-    m_t0 = o_t0 < T_seq
-    o_tok0 = (bos + o_t0) * H + i_h
-    # [16, BK] -> [16, BF]
-    b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
-    # [BK, 16] -> [BF, 16] the keys transposed by the load
-    b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
-    b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
-    # [16] (0 on padded tokens)
-    b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
-    # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
-    b_A00 = tl.where(m_lower, chunked_dot(b_k0, b_kt0, DOT_PRECISION), 0.0) * b_beta0[:, None]
-    # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-    b_Ai00 = tl.where(m_eye, 1.0, 0.0)
-    for r in range(1, 16):
-        m_row = o_j[:, None] == r
-        b_a = tl.sum(tl.where(m_row, b_A00, 0.0), 0)
-        b_Ai00 = tl.where(m_row, b_Ai00 - tl.sum(b_a[:, None] * b_Ai00, 0)[None, :], b_Ai00)
-    # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-    tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai00, ai.dtype.element_ty, DOT_PRECISION), mask=m_t0[:, None])
-    if BT > 16:
-        tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
-    if BT > 32:
-        tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
-    if BT > 48:
-        tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
-    if BT > 16:
+    if BT == 64:
+        # the four blocks of A first, then the diagonal blocks' inverses in one loop, then the rows below
+        # them: B4 T8192 H16 K = V = 128 bf16 on the H200, gated_deltanet's UT step 617 -> 488 us (block by
+        # block at 32-token chunks: deltanet's 342 -> 406 us in one loop; BENCHMARKS.md 2026-12-02, fifth run)
+        # ---- block 0: tokens 0 .. 15 of the chunk
+        o_t0 = i_c * BT + 0 + o_j
+        m_t0 = o_t0 < T_seq
+        o_tok0 = (bos + o_t0) * H + i_h
+        # [16, BK] -> [16, BF]
+        b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+        b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+        # [16] (0 on padded tokens)
+        b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
+        # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
+        b_A00 = tl.where(m_lower, chunked_dot(b_k0, b_kt0, DOT_PRECISION), 0.0) * b_beta0[:, None]
         # ---- block 1: tokens 16 .. 31 of the chunk
         o_t1 = i_c * BT + 16 + o_j
         m_t1 = o_t1 < T_seq
@@ -559,22 +548,6 @@ def chunked_ut_kernel(
         b_A10 = chunked_dot(b_k1, b_kt0, DOT_PRECISION) * b_beta1[:, None]
         # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
         b_A11 = tl.where(m_lower, chunked_dot(b_k1, b_kt1, DOT_PRECISION), 0.0) * b_beta1[:, None]
-        # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-        b_Ai11 = tl.where(m_eye, 1.0, 0.0)
-        for r in range(1, 16):
-            m_row = o_j[:, None] == r
-            b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
-            b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
-        # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
-        b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
-        # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-        tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
-        tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
-        if BT > 32:
-            tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
-        if BT > 48:
-            tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
-    if BT > 32:
         # ---- block 2: tokens 32 .. 47 of the chunk
         o_t2 = i_c * BT + 32 + o_j
         m_t2 = o_t2 < T_seq
@@ -593,22 +566,6 @@ def chunked_ut_kernel(
         b_A21 = chunked_dot(b_k2, b_kt1, DOT_PRECISION) * b_beta2[:, None]
         # [16, 16] A_22 = diag(β) K_2 diag(Γ_t/Γ_s) K_2^T (s < t)
         b_A22 = tl.where(m_lower, chunked_dot(b_k2, b_kt2, DOT_PRECISION), 0.0) * b_beta2[:, None]
-        # [16, 16] (I + A_22)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
-        b_Ai22 = tl.where(m_eye, 1.0, 0.0)
-        for r in range(1, 16):
-            m_row = o_j[:, None] == r
-            b_a = tl.sum(tl.where(m_row, b_A22, 0.0), 0)
-            b_Ai22 = tl.where(m_row, b_Ai22 - tl.sum(b_a[:, None] * b_Ai22, 0)[None, :], b_Ai22)
-        # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
-        b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
-        # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
-        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
-        # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
-        tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai20, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
-        tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai21, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
-        tl.store(ai + o_tok2[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai22, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
-        if BT > 48:
-            tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t2[:, None])
         # ---- block 3: tokens 48 .. 63 of the chunk
         o_t3 = i_c * BT + 48 + o_j
         m_t3 = o_t3 < T_seq
@@ -629,12 +586,49 @@ def chunked_ut_kernel(
         b_A32 = chunked_dot(b_k3, b_kt2, DOT_PRECISION) * b_beta3[:, None]
         # [16, 16] A_33 = diag(β) K_3 diag(Γ_t/Γ_s) K_3^T (s < t)
         b_A33 = tl.where(m_lower, chunked_dot(b_k3, b_kt3, DOT_PRECISION), 0.0) * b_beta3[:, None]
-        # [16, 16] (I + A_33)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+        # [16, 16] (I + A_ii)^-1 of each block i by forward substitution: row r = e_r - sum_{s < r} A_rs row s, the
+        # blocks' rows in one loop (their chains independent: each row's reductions overlap the others')
+        b_Ai00 = tl.where(m_eye, 1.0, 0.0)
+        b_Ai11 = tl.where(m_eye, 1.0, 0.0)
+        b_Ai22 = tl.where(m_eye, 1.0, 0.0)
         b_Ai33 = tl.where(m_eye, 1.0, 0.0)
         for r in range(1, 16):
             m_row = o_j[:, None] == r
+            b_a = tl.sum(tl.where(m_row, b_A00, 0.0), 0)
+            b_Ai00 = tl.where(m_row, b_Ai00 - tl.sum(b_a[:, None] * b_Ai00, 0)[None, :], b_Ai00)
+            b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
+            b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
+            b_a = tl.sum(tl.where(m_row, b_A22, 0.0), 0)
+            b_Ai22 = tl.where(m_row, b_Ai22 - tl.sum(b_a[:, None] * b_Ai22, 0)[None, :], b_Ai22)
             b_a = tl.sum(tl.where(m_row, b_A33, 0.0), 0)
             b_Ai33 = tl.where(m_row, b_Ai33 - tl.sum(b_a[:, None] * b_Ai33, 0)[None, :], b_Ai33)
+        # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai00, ai.dtype.element_ty, DOT_PRECISION), mask=m_t0[:, None])
+        if BT > 16:
+            tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        if BT > 32:
+            tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
+        b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+        # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
+        tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
+        if BT > 32:
+            tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
+        # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
+        b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
+        # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
+        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
+        # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai20, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai21, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
+        tl.store(ai + o_tok2[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai22, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t2[:, None])
         # [16, 16] (I + A)^-1_32 = -(I + A)^-1_33 sum_{m = 2}^{2} A_3m (I + A)^-1_m2
         b_Ai32 = -tl.dot(b_Ai33, tl.dot(b_A32, b_Ai22, input_precision="ieee"), input_precision="ieee")
         # [16, 16] (I + A)^-1_31 = -(I + A)^-1_33 sum_{m = 1}^{2} A_3m (I + A)^-1_m1
@@ -646,6 +640,67 @@ def chunked_ut_kernel(
         tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai31, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 32 + o_j[None, :], chunked_cast(b_Ai32, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 48 + o_j[None, :], chunked_cast(b_Ai33, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
+    else:
+        # ---- block 0: tokens 0 .. 15 of the chunk
+        o_t0 = i_c * BT + 0 + o_j
+        m_t0 = o_t0 < T_seq
+        o_tok0 = (bos + o_t0) * H + i_h
+        # [16, BK] -> [16, BF]
+        b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
+        # [BK, 16] -> [BF, 16] the keys transposed by the load
+        b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
+        b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+        # [16] (0 on padded tokens)
+        b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
+        # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
+        b_A00 = tl.where(m_lower, chunked_dot(b_k0, b_kt0, DOT_PRECISION), 0.0) * b_beta0[:, None]
+        # [16, 16] (I + A_00)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+        b_Ai00 = tl.where(m_eye, 1.0, 0.0)
+        for r in range(1, 16):
+            m_row = o_j[:, None] == r
+            b_a = tl.sum(tl.where(m_row, b_A00, 0.0), 0)
+            b_Ai00 = tl.where(m_row, b_Ai00 - tl.sum(b_a[:, None] * b_Ai00, 0)[None, :], b_Ai00)
+        # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+        tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai00, ai.dtype.element_ty, DOT_PRECISION), mask=m_t0[:, None])
+        if BT > 16:
+            tl.store(ai + o_tok0[:, None] * BT + 16 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        if BT > 32:
+            tl.store(ai + o_tok0[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        if BT > 48:
+            tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
+        if BT > 16:
+            # ---- block 1: tokens 16 .. 31 of the chunk
+            o_t1 = i_c * BT + 16 + o_j
+            m_t1 = o_t1 < T_seq
+            o_tok1 = (bos + o_t1) * H + i_h
+            # [16, BK] -> [16, BF]
+            b_k1 = tl.load(k + (o_tok1 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
+            # [BK, 16] -> [BF, 16] the keys transposed by the load
+            b_kt1 = tl.load(k + (o_tok1 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
+            b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
+            # [16] (0 on padded tokens)
+            b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
+            # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
+            b_A10 = chunked_dot(b_k1, b_kt0, DOT_PRECISION) * b_beta1[:, None]
+            # [16, 16] A_11 = diag(β) K_1 diag(Γ_t/Γ_s) K_1^T (s < t)
+            b_A11 = tl.where(m_lower, chunked_dot(b_k1, b_kt1, DOT_PRECISION), 0.0) * b_beta1[:, None]
+            # [16, 16] (I + A_11)^-1 by forward substitution: row r = e_r - sum_{s < r} A_rs row s
+            b_Ai11 = tl.where(m_eye, 1.0, 0.0)
+            for r in range(1, 16):
+                m_row = o_j[:, None] == r
+                b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
+                b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
+            # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
+            b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+            # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
+            tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
+            tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
+            if BT > 32:
+                tl.store(ai + o_tok1[:, None] * BT + 32 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
+            if BT > 48:
+                tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
 
     if FUSED_WU:
         # ---- the chunk's W, U0 and keys for the state pass
