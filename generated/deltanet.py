@@ -1090,7 +1090,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # (U = U0 - W h_c: dU0 = dU, and W enters nothing else.)
 # Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
 #   1. chunked_states, the forward's: chunked_ut_kernel (chunk-parallel: (I + A)^-1, W, U0, the
-#      decayed keys K̂ ⊙ Γ_C/Γ) and chunked_states_kernel (sequential: h_c, U = U0 - W h_c).
+#      decayed keys K̂ ⊙ Γ_C/Γ; where the forward kept its (I + A)^-1, chunked_wu_kernel from
+#      its diagonal blocks instead: W, U0 and the keys) and chunked_states_kernel (sequential: h_c, U = U0 - W h_c).
 #   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
 #      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂.
 #   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
@@ -1120,7 +1121,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # and U [B, T, H, V] (chunked_pass_dtype); the state
 # gradient per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); dU [B, T, H, V] and Q̂ [B, T, H, F]
 # (chunked_pass_dtype: they only enter dots); step 5's dA [chunk slots, H, chunk, chunk] float32; step 4's dk̂ [B, T, H, F] float32.
-# The forward saves nothing beyond its inputs.
+# The forward saves its inputs and, where the backward's chunk divides its own and the call is
+# differentiated, its rows of (I + A)^-1 [B, T, H, its chunk] (chunked_keeps_inverse: the op's `saved`).
 CHUNKED_BACKWARD = ("chunked",)
 
 
