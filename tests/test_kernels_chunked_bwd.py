@@ -366,3 +366,29 @@ def test_backward_reads_the_forwards_inverse(monkeypatch, name, chunk, bwd_chunk
         assert (got is None) == (ref is None)
         if got is not None:
             assert rel_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_runtime_asks_for_the_inverse_only_when_differentiated(monkeypatch, grad):
+    """The runtime's call of the kernel op passes for_backward only when the backward will run the
+    kernels (grad mode and an input that requires grad): an inference call keeps no rows of (I + A)^-1."""
+    op = attngen.load(SPECS["gated_deltanet"])
+    module = codegen.load_module(op.spec)
+    seen, real = [], module.op
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(module, "op", spy)
+    inputs = {n: t.float() if t is not None and t.is_floating_point() else t
+              for n, t in random_inputs(op.spec, Shape(batch=1, q_len=40, heads=1, head_dim=8, value_dim=8)).items()}
+    leaves = {n: (t.clone().requires_grad_(grad) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    with torch.set_grad_enabled(True):
+        o, _ = op(**leaves, form="chunked", chunk_size=32)
+    with torch.no_grad():
+        op(**inputs, form="chunked", chunk_size=32)
+    assert seen == [grad, False]
+    if grad:
+        o.sum().backward()
+        assert all(leaves[n].grad is not None for n in ("q", "k", "v"))
