@@ -11,7 +11,7 @@ import dataclasses
 import networkx as nx
 import torch
 
-from . import forms
+from . import forms, hooks
 from .inputs import Call
 from .spec import KERNEL_CHUNKS, L2_EPS, NORM_EPS, Spec
 
@@ -760,6 +760,8 @@ class KernelSpec:
                                         # rendered from templates/chunked/<step>.py.jinja
     chunked_bwd_steps: tuple[str, ...]  # the chunked backward's own step kernels in launch order, each rendered
                                         # from templates/chunked_bwd/<step>.py.jinja (the forward's it recomputes apart)
+    rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
+    decay_hook: hooks.NoDecay       # the decay's
 
 
 # Vector decay: a 16-token block's pair scores sum_f x_tf y_sf exp(G_tf - G_sf) (s <= t) are one dot of
@@ -805,6 +807,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"),
+        rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
 

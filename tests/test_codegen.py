@@ -149,3 +149,23 @@ def test_every_step_template_is_a_step_the_planner_names():
         bwd |= set(ks.chunked_bwd_steps)
     assert fwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked").glob("*.jinja")}
     assert bwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked_bwd").glob("*.jinja")}
+
+
+def test_hooks_of_every_rule_and_decay():
+    """planner.kernel_spec fills the update rule's and the decay's hook objects (attngen/hooks.py) the
+    step templates take their fragments from; an unknown rule or decay is a clear error."""
+    from attngen import hooks
+
+    for path in SPECS:
+        spec = load_spec(path)
+        ks = planner.kernel_spec(spec)
+        assert ks.decay_hook.kind == spec.decay and ks.decay_hook.decayed == (spec.decay != "none")
+        assert (ks.rule_hook.name == spec.update) if spec.is_linear else ks.rule_hook is None
+    assert hooks.decay_hook("vector").dg_rows() == "o_tok[:, None] * K + o_f[None, :]"
+    assert hooks.decay_hook("constant").rows_times("x", "g") == "x * g[:, None]"
+    assert hooks.decay_hook("none").state_times("b_dh") == "b_dh"
+    assert "b_wt" in hooks.rule_hook("delta").state_update("b_dh") and hooks.rule_hook("additive").state_tiles() == ""
+    with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
+        hooks.decay_hook("linear")
+    with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
+        hooks.rule_hook("gated")

@@ -1,0 +1,251 @@
+"""What an update rule and a decay put into the chunked kernels: one small object each, which the
+planner picks for a spec (planner.kernel_spec: KernelSpec.rule_hook, KernelSpec.decay_hook) and the
+step templates call in place of branching on the rule or the decay (DESIGN.md §5's hooks).
+
+Each method returns a Triton fragment, an expression or lines of code as the generated kernels
+spell them, in the names the step templates define: b_gam, b_gam_rest [BT] (scalar decay) or
+[BT, BF] (vector) the per-token decays Γ_t and Γ_C/Γ_t, b_gam_C Γ_C (a scalar, or [BF]), b_G the
+cumulative log decays, m_strict / m_strict_t the pairs s < t in [t, s] and [s, t], m_t / m_tf the
+chunk's tokens, o_tok their rows. A fragment of a rule or decay that has none is the empty string.
+What needs the feature map's Jinja macros too stays a macro of the templates (macros.jinja).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDecay:
+    """No decay: every decay factor is 1 and there is no decay gradient."""
+
+    kind: str = "none"
+
+    @property
+    def decayed(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def token_dg(self) -> bool:
+        """Whether the decay gradient is per token (scalar, vector); a constant decay's is one sum."""
+        return self.kind in ("scalar", "vector")
+
+    def rows_times(self, x: str, gam: str) -> str:
+        """x [BT, BF] (rows t) times the per-token factor gam."""
+        return x
+
+    def cols_times(self, x: str, gam: str) -> str:
+        """x [BF, BT] (columns t) times the per-token factor gam."""
+        return x
+
+    def state_times(self, x: str) -> str:
+        """A state block x [BF, BV] times Γ_C."""
+        return x
+
+    def load_chunk_decay(self, i_slot: str) -> str:
+        """b_gam_C, Γ_C of chunk slot i_slot as the prepare step stored it."""
+        return ""
+
+    def pair_decays(self) -> str:
+        """The pairs' decay ratios Γ_t/Γ_s (s < t) as factors of whole [BT, BT] tiles: D in [t, s], D^T in [s, t]."""
+        return ""
+
+    def chunk_decay_buffer(self) -> str:
+        """The host's gc, Γ_C per chunk slot (float32), which the prepare step writes."""
+        return "gc = None"
+
+    def store_state_keys(self) -> str:
+        """The prepare step's keys of the state update from b_k [BT, BF] (into kr), and Γ_C of slot i_s (into gc)."""
+        return ("# [BT, BF] the keys of the state update\n"
+                "tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)")
+
+    def beta_keys(self) -> str:
+        """The delta rule's diag(β) (K ⊙ Γ) [BT, BF] (b_y), from b_k and b_beta."""
+        return "# [BT, BF] diag(β) K\nb_y = b_k * b_beta[:, None]"
+
+    def token_terms(self, x: str) -> str:
+        """The decay gradient's per-token pieces of x [BT, BF] (G_DTYPE)."""
+        return ""
+
+    def chunk_term(self) -> str:
+        """The decay gradient's chunk term Γ_C sum_v h_c ⊙ dS, from b_dgc [BF] = sum_v h_c ⊙ dS (G_DTYPE)."""
+        return ""
+
+    def dg_rows(self) -> str:
+        """The rows of the chunk's tokens in the decay gradient."""
+        return ""
+
+    def dg_mask(self) -> str:
+        """Their mask."""
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarDecay(NoDecay):
+    """A decay per token and head (scalar; constant: per head), Γ_t [BT]: factors broadcast over the
+    features, the decay gradient [B, T, H] (a constant decay's one sum per head)."""
+
+    kind: str = "scalar"
+
+    def rows_times(self, x: str, gam: str) -> str:
+        return f"{x} * {gam}[:, None]"
+
+    def cols_times(self, x: str, gam: str) -> str:
+        return f"{x} * {gam}[None, :]"
+
+    def state_times(self, x: str) -> str:
+        return f"{x} * b_gam_C"
+
+    def load_chunk_decay(self, i_slot: str) -> str:
+        return f"b_gam_C = tl.load(gc + {i_slot} * H + i_h)"
+
+    def chunk_decay_buffer(self) -> str:
+        return "gc = torch.empty(n_slots, H, **f32)"
+
+    def store_state_keys(self) -> str:
+        return ("# [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C (slot i_s)\n"
+                "tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest[:, None]).to(kr.dtype.element_ty), mask=m_tf)\n"
+                "tl.store(gc + i_s.to(tl.int64) * H + i_h, b_gam_C)")
+
+    def beta_keys(self) -> str:
+        return "# [BT, BF] diag(β) (K ⊙ Γ)\nb_y = b_k * (b_beta * b_gam)[:, None]"
+
+    def pair_decays(self) -> str:
+        return ("# [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]\n"
+                'b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))\n'
+                'b_Dt = tl.exp(tl.where(m_strict_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))')
+
+    def token_terms(self, x: str) -> str:
+        return f"tl.sum({x}, 1).to(G_DTYPE)"
+
+    def chunk_term(self) -> str:
+        return "(tl.sum(b_dgc, 0) * b_gam_C).to(G_DTYPE)"
+
+    def dg_rows(self) -> str:
+        return "o_tok"
+
+    def dg_mask(self) -> str:
+        return "m_t"
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorDecay(NoDecay):
+    """A decay per token, head and feature, Γ_t [BT, BF] (b_gam_t [BF, BT] its transposed tile), Γ_C [BF]:
+    the pairs' ratios differ by feature, so the pair sums run by 16-token blocks (the templates'
+    scores_t, key_pairs, pairs_rows, pairs_cols), not as factors of whole tiles; the decay gradient
+    [B, T, H, K]."""
+
+    kind: str = "vector"
+
+    def rows_times(self, x: str, gam: str) -> str:
+        return f"{x} * {gam}"
+
+    def cols_times(self, x: str, gam: str) -> str:
+        return f"{x} * {gam}_t"
+
+    def state_times(self, x: str) -> str:
+        return f"{x} * b_gam_C[:, None]"
+
+    def load_chunk_decay(self, i_slot: str) -> str:
+        return f"b_gam_C = tl.load(gc + ({i_slot} * H + i_h) * F + o_f, mask=m_f, other=0.0)"
+
+    def chunk_decay_buffer(self) -> str:
+        return "gc = torch.empty(n_slots, H, F, **f32)"
+
+    def store_state_keys(self) -> str:
+        return ("# [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)\n"
+                "tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest).to(kr.dtype.element_ty), mask=m_tf)\n"
+                "tl.store(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_gam_C, mask=m_f)")
+
+    def beta_keys(self) -> str:
+        return "# [BT, BF] diag(β) (K ⊙ Γ)\nb_y = b_k * b_gam * b_beta[:, None]"
+
+    def token_terms(self, x: str) -> str:
+        return f"({x}).to(G_DTYPE)"
+
+    def chunk_term(self) -> str:
+        return "(b_dgc * b_gam_C)[None, :].to(G_DTYPE)"
+
+    def dg_rows(self) -> str:
+        return "o_tok[:, None] * K + o_f[None, :]"
+
+    def dg_mask(self) -> str:
+        return "m_tf"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditiveRule:
+    """S <- Γ S + k v^T: no chunk-local transform; the backward's dk step applies the chain rule to
+    dk itself and writes the decay gradient."""
+
+    name: str = "additive"
+    key_features: str = "b_k_hat"   # step 4's keys' features (the feature map's pieces kept for dk's chain rule)
+    dk_out: str = "dk"              # step 4's key gradient: the op's
+    dg_out: str = "dg"              # step 4's decay gradient: the op's
+    values_note: str = ""           # what the written values are, in a comment
+
+    def state_values(self) -> str:
+        """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
+        return ("# [BT, BV] the additive rule writes the values\n"
+                "b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)")
+
+    def written_values(self) -> str:
+        """The output pass's values b_u [BT, BV] (or [16, BV], a block's) that the chunk writes."""
+        return "b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)"
+
+    def state_tiles(self) -> str:
+        """Step 3's tiles of the rule's own state-gradient term."""
+        return ""
+
+    def state_update(self, decayed_dh: str) -> str:
+        """Step 3's dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO (decayed_dh: Γ_C dS), and the rule's own term."""
+        return f"b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, {decayed_dh})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRule(AdditiveRule):
+    """S <- Γ S + β k (v - S^T k)^T: the UT transform per chunk; step 4 hands its shares of dk and of the
+    decay gradient to step 5 (the UT transform's backward), which applies the chain rule."""
+
+    name: str = "delta"
+    key_features: str = "b_k"
+    dk_out: str = "dk_part"
+    dg_out: str = "dg_part"
+    values_note: str = " (chunked_states_kernel's U)"
+
+    def state_values(self) -> str:
+        return ("# [BT, BF] W, as stored\n"
+                "b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)\n"
+                "# [BT, BV] the values the chunk's delta updates write: U = U0 - W S. U0 is subtracted from the\n"
+                "# product, not its accumulator: so Triton 3.6 prefetches it with W and the keys (a dot's\n"
+                "# accumulator, it was a plain load in the loop that the dot waited on)\n"
+                "b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)\n"
+                "b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)\n"
+                "tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)")
+
+    def written_values(self) -> str:
+        # chunked_states_kernel's U
+        return "b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)"
+
+    def state_tiles(self) -> str:
+        # W^T, transposed by the load
+        return "b_wt = tl.load(w + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)"
+
+    def state_update(self, decayed_dh: str) -> str:
+        return ("# (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)\n"
+                f"b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, {decayed_dh}))")
+
+
+def decay_hook(decay: str) -> NoDecay:
+    """The hook of a spec's decay: none | constant | scalar | vector."""
+    hooks = {"none": NoDecay(), "constant": ScalarDecay("constant"), "scalar": ScalarDecay(), "vector": VectorDecay()}
+    if decay not in hooks:
+        raise ValueError(f"decay: {decay!r} is not allowed; allowed: {', '.join(hooks)}")
+    return hooks[decay]
+
+
+def rule_hook(update: str) -> AdditiveRule:
+    """The hook of a spec's update rule: additive | delta."""
+    hooks = {"additive": AdditiveRule(), "delta": DeltaRule()}
+    if update not in hooks:
+        raise ValueError(f"update: {update!r} is not allowed; allowed: {', '.join(hooks)}")
+    return hooks[update]
