@@ -185,8 +185,7 @@ class AdditiveRule:
 
     def state_values(self) -> str:
         """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
-        return ("# [BT, BV] the additive rule writes the values\n"
-                "b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)")
+        return "# [BT, BV] the additive rule writes the values\n" + self.written_values()
 
     def written_values(self) -> str:
         """The output pass's values b_u [BT, BV] (or [16, BV], a block's) that the chunk writes."""

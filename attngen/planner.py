@@ -830,11 +830,11 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if not spec.is_linear or spec.mask == "bidirectional":
         return (), ()
     delta, norm = spec.update == "delta", spec.normalize == "sum"
-    prepare = ((("chunked_ut_kernel", f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by "
-                                      f"{ut_inverse(spec)}); W, U0, the decayed keys too where the launch's wu_warps is 0"),
-                ("chunked_wu_kernel", "chunk-parallel, where the launch's wu_warps > 0: W, U0, the decayed keys "
-                                      "from the stored (I + A)^-1, at those warps"))
-               if delta else (("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"),))
+    ut = f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by {ut_inverse(spec)}); W, U0, the decayed " \
+         "keys too where the launch's wu_warps is 0"
+    wu = "chunk-parallel, where the launch's wu_warps > 0{}: W, U0, the decayed keys from the stored (I + A)^-1, at those warps"
+    keys = (("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"),)
+    prepare = (("chunked_ut_kernel", ut), ("chunked_wu_kernel", wu.format(""))) if delta else keys
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else ""))
     forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
@@ -843,10 +843,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if delta:
         # a differentiated forward keeps (I + A)^-1 where the backward's chunk divides its own: its
         # diagonal blocks are the backward chunks' inverses (the template's chunked_keeps_inverse)
-        prepare = (prepare[0][0], prepare[0][1] + "; not where the forward kept (I + A)^-1 (the backward's "
-                   "chunk divides the forward's)"), (prepare[1][0], prepare[1][1].replace(
-                       "where the launch's wu_warps > 0", "where the launch's wu_warps > 0, or at bwd_wu_warps "
-                       "from the forward's (I + A)^-1 where it kept it"))
+        prepare = (("chunked_ut_kernel", ut + "; not where the forward kept (I + A)^-1 (the backward's chunk divides "
+                    "the forward's)"),
+                   ("chunked_wu_kernel", wu.format(", or at bwd_wu_warps from the forward's (I + A)^-1 where it kept it")))
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)

@@ -705,9 +705,8 @@ def chunked_keeps_inverse(launch):
 
 def chunked_saved_like(q, v, form, launch, for_backward):
     """An empty tensor like the op's `saved` output (chunked_fwd's), for the op's fake."""
-    if form == "chunked" and for_backward and chunked_keeps_inverse(chunked_launch(launch)):
-        return q.new_empty(q.shape[0], q.shape[1], v.shape[2], chunked_launch(launch).chunk,
-                           dtype=chunked_pass_dtype(q.dtype))
+    if form == "chunked" and for_backward and chunked_keeps_inverse(launch := chunked_launch(launch)):
+        return q.new_empty(q.shape[0], q.shape[1], v.shape[2], launch.chunk, dtype=chunked_pass_dtype(q.dtype))
     return q.new_empty(0, dtype=torch.float32)
 
 
