@@ -307,6 +307,9 @@ class ChunkedLaunch(Launch):
     bwd_wy_warps: int = knob("bwd", "warps", (4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
     bwd_wu_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of W, U0 and the keys from the forward's (I + A)^-1 where the backward reuses it (its chunk divides the forward's)
     bwd_states_BV: int = knob("bwd", "block", (16, 32, 64, 128))  # value lanes per program of the backward's sequential state-gradient pass
+    bwd_dq_BV: int = knob("bwd", "block", (32, 64, 128))  # value lanes of the value loop of the backward's dq step (chunked_bwd_dq_kernel)
+    bwd_dk_BV: int = knob("bwd", "block", (32, 64, 128))  # value lanes of the value loop of its dk step (chunked_bwd_dk_kernel)
+    bwd_wy_BV: int = knob("bwd", "block", (32, 64, 128))  # delta rules: value lanes of the value loop of its UT step (chunked_bwd_wy_kernel)
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
@@ -471,6 +474,17 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # ms at four, 5.793 at two, 5.856 at eight; deltanet 4.070, 4.046, 4.075 (BENCHMARKS.md 2026-12-02, fifth run).
     # Four for the other dtypes, as the UT step's (their tf32 dots' float32 tiles)
     bwd_wu_warps = 2 if dtype == torch.bfloat16 else 4
+    # The value loops of the backward's dq, dk and UT steps. bf16 delta rules at K = V = 128 on the
+    # H200 (B4 T8192 H16, fwd+bwd, BENCHMARKS.md 2026-12-02, sixth run): dq and the UT step by 128
+    # lanes, gated_deltanet 5.615 -> 5.213 ms (dq 731 -> 493 us, UT step 1054 -> 876), deltanet 4.030
+    # -> 3.931, kda 12.605 -> 12.443; dk by 128 where there is no scalar decay (deltanet 452 -> 365 us,
+    # kda 2686 -> 1695), gated_deltanet's dk stays at 32 (1211 us; 1363 at 64). The additive rules
+    # measured best at BV (mamba2, retnet, gla, linear_transformer).
+    bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
+    if dtype == torch.bfloat16 and spec.update == "delta" and BF <= 128:
+        bwd_dq_BV = bwd_wy_BV = 128
+        if spec.decay != "scalar":
+            bwd_dk_BV = 128
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
@@ -480,6 +494,9 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         bwd_wy_warps=bwd_wy_warps,
         bwd_wu_warps=bwd_wu_warps,
         bwd_states_BV=BV,
+        bwd_dq_BV=bwd_dq_BV,
+        bwd_dk_BV=bwd_dk_BV,
+        bwd_wy_BV=bwd_wy_BV,
         bwd_stages=bwd_stages,
         bwd_ds_stages=bwd_stages,
     ))
@@ -520,10 +537,11 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     V = lanes(call.value_dim)
     if spec.update != "delta":
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
-        launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2)
+        launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2, bwd_wy_BV=launch.BV)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
-        output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_chunk=bwd_chunk))
+        output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_dq_BV=min(launch.bwd_dq_BV, V),
+        bwd_dk_BV=min(launch.bwd_dk_BV, V), bwd_wy_BV=min(launch.bwd_wy_BV, V), bwd_chunk=bwd_chunk))
 
 
 def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch) -> ChunkedLaunch:

@@ -1115,7 +1115,7 @@ def chunked_dims(q, v, omega):
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
     "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_stages bwd_ds_stages"  # bwd
+    "bwd_chunk bwd_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -2102,13 +2102,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgq = torch.empty(g.shape, **f32)
     chunked_bwd_dq_kernel[(st.n_slots, H)](
         q, k, g, omega, do, st.u, st.h, dq, dgq, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
-        x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dk_kernel[(st.n_slots, H)](
         q, k, g, omega, do, st.u, st.h, ds, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **parallel,
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     # nor dS and U past step 4
     del ds
@@ -2120,7 +2120,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     da = torch.empty(st.n_slots, H, chunk, chunk, **f32)
     chunked_bwd_wy_kernel[(st.n_slots, H)](
         k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
-        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, AI_W=st.ai.shape[-1], **dict(parallel, num_warps=launch.bwd_wy_warps),
+        F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, AI_W=st.ai.shape[-1], **dict(parallel, BV=launch.bwd_wy_BV, num_warps=launch.bwd_wy_warps),
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
 

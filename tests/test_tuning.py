@@ -75,8 +75,10 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_stages=3,
-        bwd_ds_stages=3)
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
+        bwd_dk_BV=32, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
+    # bf16 delta rules: the backward's dq and UT steps by 128 value lanes, dk too but with a scalar decay
+    assert (default(call, spec=KDA).bwd_dk_BV, default(call, spec=MAMBA2).bwd_dq_BV) == (128, 32)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
     # vector decay: W, U0 and the keys as a kernel of their own at four warps, the backward's UT
@@ -96,8 +98,8 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_stages=3,
-        bwd_ds_stages=2)
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
+        bwd_dk_BV=32, bwd_wy_BV=32, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
     for spec in (KDA, GLA):
@@ -273,6 +275,29 @@ def test_the_backward_state_pass_takes_value_blocks_of_its_own(name, monkeypatch
     got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_states_BV=16))
     assert [(k, grid, kw["BV"]) for k, grid, kw in spied] == [("chunked_bwd_states_kernel", (1, 2), 16),
                                                              ("chunked_bwd_dq_kernel", (2, 1), 32)]
+    assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet"])
+def test_the_backward_steps_take_value_blocks_of_their_own(name, monkeypatch):
+    """bwd_dq_BV, bwd_dk_BV and bwd_wy_BV (the delta rules' UT step) are the value lanes of the value
+    loops of the backward's dq, dk and UT steps, apart from BV (the forward's prepare step and the
+    backward's dU step) and from each other; the gradients do not depend on them."""
+    op = attngen.load(SPECS / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=40, heads=1, head_dim=16, value_dim=64), dtype=torch.float32,
+                           initial_state=False)
+    form, ints = kernel_launch(op, inputs)
+    base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_dq_BV=32, bwd_dk_BV=32, bwd_wy_BV=32)
+    kernels = ("chunked_bwd_du_local_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel", "chunked_bwd_wy_kernel")
+    spied = spy_launches(monkeypatch, module, tuple(k for k in kernels if hasattr(module, k)))
+    want = linear_grads(module, inputs, form, base)
+    spied.clear()
+    got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_dq_BV=16, bwd_dk_BV=64, bwd_wy_BV=16))
+    blocks = {"chunked_bwd_du_local_kernel": 32, "chunked_bwd_dq_kernel": 16, "chunked_bwd_dk_kernel": 64,
+              "chunked_bwd_wy_kernel": 16}
+    assert [(k, kw["BV"]) for k, _, kw in spied] == [(k, blocks[k]) for k in kernels if hasattr(module, k)]
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
 
 
