@@ -293,7 +293,7 @@ class ChunkedLaunch(Launch):
     of its own through the forward's prepare and state steps)."""
 
     chunk: int = knob("fwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the forward
-    BV: int = knob("fwd", "block", (16, 32, 64, 128), backward=True)  # value lanes of the prepare step's value loop and the backward's kernels
+    BV: int = knob("fwd", "block", (16, 32, 64, 128), backward=True)  # value lanes of the prepare step's value loop and of the backward's dU step (its dq, dk and UT steps: bwd_dq_BV, bwd_dk_BV, bwd_wy_BV)
     prepare_warps: int = knob("fwd", "warps", (2, 4, 8), backward=True)  # warps of the prepare step (UT transform or keys)
     wu_warps: int = knob("fwd", "warps_or_off", (0, 4), backward=True)  # delta rules: warps of W, U0 and the keys as a kernel of their own after the UT step's inverse (0: in the UT step's kernel)
     states_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the state pass
