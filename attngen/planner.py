@@ -867,11 +867,10 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)
-    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"),
+    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"
+                  + (", (Q ⊙ Γ)^T c" if norm else "")),
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
-                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")))
-    if norm:
-        backward += (("chunked_bwd_norm_states_kernel", "sequential over chunks: the normalizer column's dz"),)
+                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")))
     decayed = spec.decay != "none"
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
                   + (", the decay gradient's query terms" if decayed else "")),
@@ -913,12 +912,12 @@ MEMORY = {
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
-              "float32 with vector decay, the sum normalizer or other inputs) and the decayed keys (T x F values, "
+              "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, "
               "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
               "and the UT transform's (I + A)^-1, T x C, bf16 for bf16 inputs, else float32); the recurrent backward keeps per-token "
               "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "
               "chunk-start states at the launch's backward chunk C' (bwd_chunk; T/C' x F x V per head: bf16 for "
-              "bf16 inputs except with the sum normalizer, else float32) and keeps the "
+              "bf16 inputs, else float32; the sum normalizer's column T/C' x F float32) and keeps the "
               "state gradient per chunk (as many values, of the same dtype) and per-token pieces (dU, the decayed "
               "queries: T x (F + V); with the delta rule a dk and decay-gradient part for its UT step, T x F "
               "float32, and its dA, T x C' float32; with the normalizer n, c and dO / n), transient inside the "

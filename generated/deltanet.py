@@ -459,7 +459,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features); the state pass reads the keys chunked_ut_kernel stored.
-# Memory: the chunk-start states [chunk slots, H, F, VS] float32,
+# Memory: the chunk-start states [chunk slots, H, F, V] (chunked_states_dtype),
 # (I + A)^-1 [B, T, H, BT], W and K ⊙ Γ_C/Γ [B, T, H, F], U [B, T, H, V]
 # ((I + A)^-1, W, K ⊙ Γ_C/Γ and U in bf16 for bf16 inputs, whose dots take bf16 operands; else float32, as
 # fp16's range is too short for them: chunked_pass_dtype)
@@ -802,7 +802,7 @@ def chunked_wu_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
     # dims
     T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
@@ -849,9 +849,9 @@ def chunked_states_kernel(
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
 
     for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        # the chunk-start state, for the output pass: [chunk slots, H, F, V]
+        o_hc = ((boc + i_c) * H + i_h) * F * V
+        tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -878,9 +878,9 @@ def chunked_states_kernel(
 @triton.jit
 def chunked_output_kernel(
     # pointers
-    q, k, v, g, omega, u, h, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, v, g, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
@@ -928,8 +928,8 @@ def chunked_output_kernel(
     b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
     b_qg = b_q
     # [BF, BV] the chunk-start state (slot i_s)
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
-    b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
     b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
     b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
@@ -986,13 +986,14 @@ def chunked_states_dtype(dtype):
     The output pass reads them only as operands of its dot with the queries, which rounds them to
     chunked_pass_dtype anyway: stored in that dtype, the outputs are the same bits and the states
     take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
-    both are bound by those bytes). The backward keeps float32 (its decay gradient sums h ⊙ dS)."""
+    both are bound by those bytes)."""
     return chunked_pass_dtype(dtype)
 
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
+    h: torch.Tensor                         # [slots, H, F, V] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
+    hz: Optional[torch.Tensor]              # [slots, H, F] float32: their normalizer column z_c (normalize sum)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
@@ -1038,19 +1039,20 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         # forward kept, ai.shape[-1] wide, at the backward's warps for them (bwd_wu_warps)
         warps = launch.bwd_wu_warps if kept else launch.wu_warps
         chunked_wu_kernel[(n_slots, H)](*ut_args, AI_W=ai.shape[-1], num_warps=warps, **ut_meta)
-    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
+    h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
+    hz = None
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+        k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
         T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
         BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
     )
-    return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
+    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
@@ -1069,8 +1071,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(kr=None, gc=None, w=None, ai=None)
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+        T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
         num_warps=launch.output_warps, maxnreg=launch.maxnreg,
@@ -1227,9 +1229,9 @@ def chunked_bwd_states_kernel(
     NT = tl.cdiv(T_seq, BT)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
+        o_hc = ((boc + i_c) * H + i_h) * F * V
+        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq

@@ -474,7 +474,8 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      O = (Q ⊙ Γ) S_c + P U, divided by z.q + eps
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features); the state pass reads the keys chunked_keys_kernel stored.
-# Memory: the chunk-start states [chunk slots, H, F, VS] float32,
+# Memory: the chunk-start states [chunk slots, H, F, V] (chunked_states_dtype) and their normalizer column
+# [chunk slots, H, F] float32,
 # K ⊙ Γ_C/Γ [B, T, H, F] (bf16 for bf16 inputs, else float32: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
 # The keys of the state update are stored by the chunk-parallel pass rather than featurized and
@@ -538,7 +539,7 @@ def chunked_keys_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
     # dims
     T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
@@ -589,11 +590,12 @@ def chunked_states_kernel(
         b_z += tl.load(h0 + (i_row * H + i_h) * F * VS + o_f * VS + V, mask=tl.where(m_row_ok & (i_v == 0), m_f, False), other=0.0).to(tl.float32)
 
     for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, for the output pass: [chunk slots, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(h + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        # the chunk-start state, for the output pass: [chunk slots, H, F, V]; its normalizer column z_c, [chunk
+        # slots, H, F] float32 (hz)
+        o_hc = ((boc + i_c) * H + i_h) * F * V
+        tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         if i_v == 0:
-            tl.store(h + o_hc + o_f * VS + V, chunked_cast(b_z, h.dtype.element_ty, DOT_PRECISION), mask=m_f)
+            tl.store(hz + ((boc + i_c) * H + i_h) * F + o_f, b_z, mask=m_f)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -622,9 +624,9 @@ def chunked_states_kernel(
 @triton.jit
 def chunked_output_kernel(
     # pointers
-    q, k, v, g, omega, u, h, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, v, g, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
@@ -683,14 +685,15 @@ def chunked_output_kernel(
     # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
     b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
     b_qg = b_q
-    # [BF, BV] the chunk-start state (slot i_s)
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
-    b_hc = tl.load(h + o_hc + o_f[:, None] * VS + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    # [BF, BV] the chunk-start state (slot i_s); o_z its normalizer column's row in hz
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    o_z = (i_s.to(tl.int64) * H + i_h) * F
     # [BT, BV] the values the chunk writes
     b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
     # [BF] the chunk-start normalizer; [BT] n_t = z_t.q_t + eps, z_t the normalizer after token t
-    b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    b_zc = tl.load(hz + o_z + o_f, mask=m_f, other=0.0)
     b_n = tl.sum(b_qg * b_zc[None, :], 1) + tl.sum(b_P, 1) + 1e-06
     if NORM_GRAD:
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
@@ -748,13 +751,18 @@ def chunked_saved_like(q, v, form, launch, for_backward):
 
 def chunked_states_dtype(dtype):
     """The dtype of the chunk-start states the forward's state pass stores for its output pass.
-    float32: the normalizer column z enters float32 sums, not only dots."""
-    return torch.float32
+    The output pass reads them only as operands of its dot with the queries, which rounds them to
+    chunked_pass_dtype anyway: stored in that dtype, the outputs are the same bits and the states
+    take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
+    both are bound by those bytes). The normalizer column z_c has a float32 buffer of its own (ChunkedStates.hz):
+    it enters float32 sums, not only dots."""
+    return chunked_pass_dtype(dtype)
 
 
 class ChunkedStates(NamedTuple):
     """What chunked_states computes, for the output pass and the backward (None where the rule has none)."""
-    h: torch.Tensor                         # [slots, H, F, VS] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
+    h: torch.Tensor                         # [slots, H, F, V] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
+    hz: Optional[torch.Tensor]              # [slots, H, F] float32: their normalizer column z_c (normalize sum)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
     kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
@@ -790,19 +798,20 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
         G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
-    h = torch.empty(n_slots, H, F, VS, device=q.device, dtype=h_dtype)
+    h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
+    hz = torch.empty(n_slots, H, F, **f32)
     indexed = state_indices is not None
     if indexed:
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, u, ht, cu_seqlens, chunk_offsets, state_indices,
+        k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
         T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
         HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
         BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
     )
-    return ChunkedStates(h, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
+    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
@@ -821,8 +830,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(kr=None, gc=None)
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, st.u, st.h, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+        T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
         num_warps=launch.output_warps, maxnreg=launch.maxnreg,
@@ -839,7 +848,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # and õ = [o z.q̂] the unnormalized outputs, the output gradient is [do / n, c], c = -do.õ / n^2.
 # The kernels keep the values' V columns as the rule's (dO = do / n, stored by the output pass that
 # computes n and c) and carry the ones column as vectors, as the forward's state pass carries z: its
-# dU is not needed, its dS column dz [BF] is a small sequential kernel's in step 3, and in step 4 it
+# dU is not needed, its dS column dz [BF] is walked beside value block 0 in step 3, and in step 4 it
 # adds the rank-1 terms c z_c^T to dO h_c^T, 1 dz^T to U dS^T, c 1^T to dP and 1 c^T to dP^T. No
 # [v, 1] or [do / n, c] is built.
 # Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
@@ -847,14 +856,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      K̂ ⊙ Γ_C/Γ) and chunked_states_kernel (sequential: h_c);
 #      the forward's chunked_output_kernel: dO = do / n, n and the value blocks' shares of c.
 #   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
-#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂.
+#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂,
+#      their products with c per chunk, Q̂^T c [BF].
 #   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
 #      registers from the final state's gradient, chunks in reverse: stores dS (the chunk-end
 #      state's gradient, per chunk slot) and dv = dU + K̂ dS, then dS <- dS + Q̂^T dO;
 #      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
 #      path (dv's is off it).
-#      chunked_bwd_norm_states_kernel, sequential per sequence x head: the normalizer's column dz of
-#      dS the same way, dz <- dz + Q̂^T c.
+#      Value block 0 walks the normalizer's column dz of dS beside its block, dz <- dz + Q̂^T c
+#      from step 2's products: a vector add per chunk.
 #   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
 #      dP; -> dq̂; the chain rule through
 #      scale and the feature map -> dq.
@@ -868,9 +878,9 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us; mamba2's
 # took 1600 us as one, 668 + 1084 as two (BENCHMARKS.md). dv is not computed in step 4: P^T and the
 # decayed keys would hold registers through its value loop.
-# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V + 1] (chunked_bwd_states_dtype)
-# and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V + 1]
-# (chunked_bwd_states_dtype); dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype)
+# and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V]
+# (chunked_bwd_states_dtype); the normalizer's columns z_c, dz and step 2's products [chunk slots, H, F] float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
 # [B, T, H, F] (chunked_pass_dtype: it only enters dots); dO [B, T, H, V] (chunked_pass_dtype) and n, c [B, T, H] float32.
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
@@ -879,7 +889,7 @@ CHUNKED_BACKWARD = ("chunked",)
 @triton.jit
 def chunked_bwd_du_local_kernel(
     # pointers
-    q, k, g, omega, do, du, qg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, du, qg, c, rz, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -888,7 +898,8 @@ def chunked_bwd_du_local_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
-    # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg)
+    # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg); the normalizer
+    # column's share of the state gradient, Q̂^T c (rz)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -938,7 +949,11 @@ def chunked_bwd_du_local_kernel(
     b_qt = b_qt * scale
 
     # [BT, BF] the queries of the state gradient
-    tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q).to(qg.dtype.element_ty), mask=m_tf)
+    b_qg = b_q
+    tl.store(qg + o_tok[:, None] * F + o_f[None, :], b_qg.to(qg.dtype.element_ty), mask=m_tf)
+    # [BF] their products with c (0 on padded tokens), for step 3's normalizer column
+    b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
+    tl.store(rz + (i_s.to(tl.int64) * H + i_h) * F + o_f, tl.sum(b_qg * b_c[:, None], 0), mask=m_f)
     # [BT, BT] P^T [s, t]
     b_Pt = tl.where(m_causal_t, chunked_dot(b_k, b_qt, DOT_PRECISION), 0.0)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -952,7 +967,7 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
+    w, kr, qg, gc, do, dht, du, dv, ds, rz, dsz, dh0, cu_seqlens, chunk_offsets,
     # dims
     T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
     # meta
@@ -961,8 +976,9 @@ def chunked_bwd_states_kernel(
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
     # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU and dv;
-    # the normalizer's column V of the [.., F, VS] state gradients (VS = V + 1) is
-    # chunked_bwd_norm_states_kernel's
+    # the normalizer's column V of the [.., F, VS] state gradients (VS = V + 1), dz [BF], walked by value
+    # block 0 beside its block: dz <- dz + Q̂^T c, step 2's products of each chunk (rz), into
+    # dsz [chunk slots, H, F] float32
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -987,13 +1003,19 @@ def chunked_bwd_states_kernel(
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_DHT:
         b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+    o_z = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
+    b_dz = tl.zeros([BF], dtype=tl.float32)
+    if HAS_DHT:
+        b_dz += tl.load(dht + o_z, mask=m_f, other=0.0)
 
     NT = tl.cdiv(T_seq, BT)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, VS]
-        o_hc = ((boc + i_c) * H + i_h) * F * VS
-        tl.store(ds + o_hc + o_f[:, None] * VS + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
+        o_hc = ((boc + i_c) * H + i_h) * F * V
+        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        if i_v == 0:
+            tl.store(dsz + ((boc + i_c) * H + i_h) * F + o_f, b_dz, mask=m_f)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1013,69 +1035,20 @@ def chunked_bwd_states_kernel(
         # dS <- dS + Q̂^T dO: the gradient of the chunk-start state
 
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh)
+        b_dz = b_dz + tl.load(rz + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
 
     if HAS_H0:
         tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
-
-
-@triton.jit
-def chunked_bwd_norm_states_kernel(
-    # pointers
-    qg, gc, c, dht, ds, dh0, cu_seqlens, chunk_offsets,
-    # dims
-    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
-    # meta
-    BT: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr,
-):
-    # step 3's normalizer column, one program per sequence x head: dz [BF] walked back over the chunks,
-    # dz <- dz + Q̂^T c (c [BT] per chunk, float32 products of step 2's queries), into
-    # the column V of the state gradients. Apart from chunked_bwd_states_kernel: carried there beside
-    # the [BF, BV] block, the vector costs that kernel ~300 B of spills (bf16, K = V = 128;
-    # bench/compile_time.py)
-    i_nh = tl.program_id(0)
-    i_n, i_h = i_nh // H, i_nh % H
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    # the sequence's first chunk slot in the per-chunk buffers (int64)
-    if IS_VARLEN:
-        boc = tl.load(chunk_offsets + i_n).to(tl.int64)
-    else:
-        boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
-
-    o_i = tl.arange(0, BT)
-    o_f = tl.arange(0, BF)
-    m_f = o_f < F
-    # [BF] the normalizer's column, from the final state's gradient
-    o_z = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f * VS + V
-    b_dz = tl.zeros([BF], dtype=tl.float32)
-    if HAS_DHT:
-        b_dz += tl.load(dht + o_z, mask=m_f, other=0.0).to(tl.float32)
-    NT = tl.cdiv(T_seq, BT)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        tl.store(ds + ((boc + i_c) * H + i_h) * F * VS + o_f * VS + V, b_dz, mask=m_f)
-        # [BT] the chunk's tokens (c: 0 on padded ones); [BT, BF] step 2's queries
-        o_t = i_c * BT + o_i
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
-        b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
-        b_qg = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-
-        b_dz = b_dz + tl.sum(b_qg * b_c[:, None], 0)
-    if HAS_H0:
-        tl.store(dh0 + o_z, b_dz.to(dh0.dtype.element_ty), mask=m_f)
+        if i_v == 0:
+            tl.store(dh0 + o_z, b_dz.to(dh0.dtype.element_ty), mask=m_f)
 
 
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, dq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -1117,12 +1090,12 @@ def chunked_bwd_dq_kernel(
     b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
 
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it); h_c has VS = V + 1 columns
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    # after this loop, which does not read them: they would hold registers through it)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     # the accumulators start from the ones column of U and the normalizer's of h_c (z_c [BF]) and of dO
     # (c [BT], 0 on padded tokens): the rank-1 terms c z_c^T and c 1^T of the two products
     b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
-    b_zc = tl.load(h + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    b_zc = tl.load(hz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     b_dqh = b_c[:, None] * b_zc[None, :]
     b_dP = tl.where(m_t[None, :], b_c[:, None], 0.0)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -1131,7 +1104,7 @@ def chunked_bwd_dq_kernel(
         # [BT, BV] the output gradient; [BV, BT] U and [BV, BF] h_c transposed by the load
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
-        b_hct = tl.load(h + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
@@ -1163,9 +1136,9 @@ def chunked_bwd_dq_kernel(
 @triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, ds, dk, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, c, u, h, ds, hz, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -1207,12 +1180,13 @@ def chunked_bwd_dk_kernel(
     b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
 
     # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries,
-    # keys and decays are loaded after this loop); the states h_c and dS have VS = V + 1 columns
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * VS
+    # keys and decays are loaded after this loop)
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     # the accumulators start from the ones column of U and the normalizer's of dS (dz [BF]) and dO (c
     # [BT], 0 on padded tokens): the rank-1 terms 1 dz^T and 1 c^T of the two products
     b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
-    b_dz = tl.load(ds + o_hc + o_f * VS + V, mask=m_f, other=0.0)
+    o_z = (i_s.to(tl.int64) * H + i_h) * F
+    b_dz = tl.load(dsz + o_z + o_f, mask=m_f, other=0.0)
     b_uds = tl.where(m_t[:, None], b_dz[None, :], 0.0)
     b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
     for i_v in range(0, tl.cdiv(V, BV)):
@@ -1222,7 +1196,7 @@ def chunked_bwd_dk_kernel(
         # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * VS + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
@@ -1255,9 +1229,13 @@ def chunked_bwd_dk_kernel(
 
 def chunked_bwd_states_dtype(dtype):
     """The dtype of the backward's largest buffers, the chunk-start states h_c (step 1 writes them) and
-    their gradients dS (step 3), [chunk slots, H, F, V + 1] each.
-    float32: the normalizer's columns z_c and dz enter float32 products, not only dots."""
-    return torch.float32
+    their gradients dS (step 3), [chunk slots, H, F, V] each.
+    chunked_pass_dtype, bf16 for bf16 inputs: the later steps read them as operands of dots, which
+    round them so anyway.
+    Half the bytes of float32 (B4 T8192 H16 K = V = 128 on the H200: mamba2's backward 0.8 ms faster,
+    1 GiB less memory; BENCHMARKS.md). The normalizer's columns z_c and dz, which enter float32 products, not
+    only dots, have float32 buffers of their own [chunk slots, H, F] (hz, dsz)."""
+    return chunked_pass_dtype(dtype)
 
 
 def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht):
@@ -1297,8 +1275,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     c_part = torch.empty(triton.cdiv(V, OBV), B, T, H, **f32)
     do_n = torch.empty(B, T, H, V, **tiles)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, OBV) * H)](
-        q, k, v, g, omega, None, st.h, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
-        T, B * T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
+        q, k, v, g, omega, None, st.h, st.hz, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+        T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.output_warps,
         maxnreg=launch.maxnreg,
@@ -1310,37 +1288,37 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
+    # and the chunks' products (Q̂)^T c [chunk slots, H, F], step 3's for the normalizer column
+    rz = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
+        q, k, g, omega, do, du, qg, c, rz, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dv, dh0, by value blocks of its own (launch.bwd_states_BV;
     # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
-    ds = torch.empty(st.n_slots, H, F, VS, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
+    ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
+    # and its normalizer column dz per chunk
+    dsz = torch.empty(st.n_slots, H, F, **f32)
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, launch.bwd_states_BV))](
-        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
+        None, st.kr, qg, st.gc, do, dht, du, dv, ds, rz, dsz, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
         **dict(meta, BV=launch.bwd_states_BV),
     )
-    chunked_bwd_norm_states_kernel[(N * H,)](
-        qg, st.gc, c, dht, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, VS, F, BT=chunk, BF=BF,
-        IS_VARLEN=cu_seqlens is not None, HAS_DHT=dht is not None, HAS_H0=initial_state is not None,
-    )
     # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
-    del qg, du
+    del qg, du, rz
     st = st._replace(kr=None, gc=None)
     # step 4a: dq; 4b: dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, c, u, st.h, dq, **chunks, T=T, H=H, K=K, V=V, VS=VS, F=F,
+        q, k, g, omega, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, c, u, st.h, ds, dk, **chunks, T=T, H=H, K=K, V=V, VS=VS, F=F,
+        q, k, g, omega, do, c, u, st.h, ds, st.hz, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     return dq, dk, dv, dg, None, None, dh0, None
