@@ -447,17 +447,19 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots
     #   have 32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
     bwd_chunk, bwd_stages = 32, 3
-    if (dtype == torch.bfloat16 and spec.update == "additive" and spec.decay in ("scalar", "constant")
-            and spec.feature_map == "identity" and spec.qk_norm == "none" and spec.normalize == "none" and BF <= 128
+    if (dtype == torch.bfloat16 and spec.update == "additive" and spec.decay != "vector"
+            and spec.feature_map != "favor_plus" and spec.qk_norm == "none" and BF <= 128
             and lanes(call.value_dim) <= 128):
-        # Scalar and constant decay (Mamba2, RetNet): the additive rules' backward in bf16 at four
-        # warps, 64-token chunks and no software pipelining of its two state passes: B4 T8192 H16
-        # K = V = 128 fwd+bwd on the H200, mamba2 3.563 -> 2.723 ms, retnet 3.499 -> 2.681 (half the
-        # chunk-start states and state gradients to write and read, half the sequential steps;
-        # bench/probe_launch.py, BENCHMARKS.md). Not where it measured slower: vector decay (gla 8.61 ->
-        # 16.42, its dq/dk steps), feature maps and the normalizer (linear_transformer 7.39 -> 7.92,
-        # performer 55.8). The delta rules' backward at 64 tokens and four warps gave NaN gradients
-        # and illegal addresses (Triton 3.6's 64-row wgmma miscompile), at eight warps right but slower.
+        # No, scalar and constant decay (Linear Transformer, Mamba2, RetNet): the additive rules'
+        # backward in bf16 at four warps, 64-token chunks and no software pipelining of its two state
+        # passes: B4 T8192 H16 K = V = 128 fwd+bwd on the H200, mamba2 3.563 -> 2.723 ms, retnet 3.499
+        # -> 2.681 (half the chunk-start states and state gradients to write and read, half the
+        # sequential steps; bench/probe_launch.py, BENCHMARKS.md); linear_transformer (elu+1, the sum
+        # normalizer) 4.186 -> 3.634 since its states are bf16 (its normalizer's column apart; 7.39 ->
+        # 7.92 before, with float32 states). Not where it measured slower: vector decay (gla 8.61 ->
+        # 16.42, its dq/dk steps), FAVOR+ (performer 51.4 -> 55.8). The delta rules' backward at 64
+        # tokens and four warps gave NaN gradients and illegal addresses (Triton 3.6's 64-row wgmma
+        # miscompile), at eight warps right but slower.
         bwd_chunk, bwd_stages = 64, 1
     # Vector decay (KDA) in bf16, B4 T8192 H16 K = V = 128 on the H200 (BENCHMARKS.md 2026-12-02): W, U0
     # and the keys as a kernel of their own at four warps took the UT steps of one training step

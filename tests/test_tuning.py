@@ -26,6 +26,7 @@ MAMBA2 = attngen.load_spec(SPECS / "mamba2.yaml")
 RETNET = attngen.load_spec(SPECS / "retnet.yaml")
 GLA = attngen.load_spec(SPECS / "gla.yaml")
 LINEAR_ELU_SUM = attngen.load_spec(SPECS / "linear_transformer.yaml")
+PERFORMER = attngen.load_spec(SPECS / "performer.yaml")
 MAMBA2_L2 = attngen.load_spec({"name": "mamba2_l2", "attention": "linear", "decay": "scalar", "qk_norm": "l2"})
 FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
 
@@ -69,7 +70,7 @@ def test_defaults_are_the_measured_launches():
     """The defaults that moved into the planner (BENCHMARKS.md): bf16 chunked at K = V = 128 takes
     64-token chunks; a scalar-decay delta rule's UT step at two warps over 32-lane value blocks, the
     state pass at four warps over 64 lanes, the output pass at four over 128; three stages, 255
-    registers, a backward at 32-token chunks and four warps (64 for bf16 Mamba2 and RetNet); fp32 with 256 feature lanes halves the forward's chunk; the
+    registers, a backward at 32-token chunks and four warps (64 for bf16 Mamba2, RetNet and the Linear Transformer); fp32 with 256 feature lanes halves the forward's chunk; the
     softmax bf16 D128 forward 64 x 64 tiles at four warps and three stages, its backward dq
     128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
     call = linear_call()
@@ -85,14 +86,14 @@ def test_defaults_are_the_measured_launches():
     # step at eight; the additive rules have neither kernel
     assert (default(call, spec=KDA).wu_warps, default(call, spec=KDA).bwd_wy_warps) == (4, 8)
     assert all((default(call, spec=s).wu_warps, default(call, spec=s).bwd_wy_warps) == (0, 4) for s in (MAMBA2, GLA))
-    # bf16 scalar and constant decay of the additive rule with no feature map, l2 norm or normalizer
-    # (Mamba2, RetNet): a backward of 64-token chunks, its two state passes unpipelined
+    # bf16 additive rules with no, scalar or constant decay, no FAVOR+ features and no l2 norm (Mamba2,
+    # RetNet, the Linear Transformer): a backward of 64-token chunks, its two state passes unpipelined
     fast = default(call, spec=MAMBA2)
     assert (fast.bwd_chunk, fast.bwd_stages, fast.bwd_ds_stages) == (64, 1, 1)
-    assert default(call, spec=RETNET).bwd_chunk == 64
-    # not where 64 measured slower (vector decay, feature maps, the normalizer), nor in fp32 or at
-    # 256 lanes: 32-token chunks, three stages of the state-gradient pass's keys, queries, dU and do
-    for held in (default(call, spec=spec) for spec in (GLA, LINEAR_ELU_SUM, MAMBA2_L2)):
+    assert default(call, spec=RETNET).bwd_chunk == default(call, spec=LINEAR_ELU_SUM).bwd_chunk == 64
+    # not where 64 measured slower (vector decay, FAVOR+), nor with the l2 norm, in fp32 or at 256
+    # lanes: 32-token chunks, three stages of the state-gradient pass's keys, queries, dU and do
+    for held in (default(call, spec=spec) for spec in (GLA, PERFORMER, MAMBA2_L2)):
         assert (held.bwd_chunk, held.bwd_ds_stages) == (32, 3)
     assert default(call, torch.float32, spec=MAMBA2).bwd_chunk == 32
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
