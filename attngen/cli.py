@@ -159,9 +159,17 @@ def cmd_check(args) -> int:
 def cmd_compile(args) -> int:
     from . import codegen, planner
     from .spec import load_spec
+    if args.output.exists() and not args.output.is_dir():
+        raise ValueError(f"-o/--output: {str(args.output)!r} is a file, not a directory; allowed: a directory "
+                         f"(created if missing)")
     for path in args.specs:
         spec = load_spec(path)
-        out = codegen.compile_to(spec, args.output)
+        try:
+            out = codegen.compile_to(spec, args.output)
+        except OSError as e:
+            raise ValueError(f"-o/--output: cannot write {spec.name}.py into {str(args.output)!r}: "
+                             f"{e.strerror or e} ({e.filename or args.output}); allowed: a directory this user "
+                             f"can create or write") from None
         forms = ", ".join(f.name for f in planner.plan(spec).forms)
         print(f"{spec.name}: {out} (hash {spec.hash}; forms {forms})")
     return 0

@@ -166,6 +166,20 @@ def test_tune_and_bench_name_a_bad_spec_before_anything_runs(command, tmp_path, 
     assert f"{bad}:3: field 'decay': value 'scaler' is not allowed" in capsys.readouterr().err
 
 
+def test_compile_names_an_output_it_cannot_write(tmp_path, capsys):
+    """-o/--output a file, or a directory under a file: one line naming the option and the path, exit
+    code 2, no traceback; nothing is written."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["compile", "specs/gla.yaml", "-o", str(a_file)]) == 2
+    assert f"attngen: error: -o/--output: {str(a_file)!r} is a file, not a directory" in capsys.readouterr().err
+    under = a_file / "sub"
+    assert main(["compile", "specs/gla.yaml", "-o", str(under)]) == 2
+    err = capsys.readouterr().err
+    assert f"attngen: error: -o/--output: cannot write gla.py into {str(under)!r}: Not a directory" in err, err
+    assert "Traceback" not in err and a_file.read_text() == ""
+
+
 def test_bench_on_the_interpreter(tmp_path):
     """ATTNGEN_BACKEND=triton on Triton's interpreter: attngen and SDPA on the same inputs, their
     outputs compared; a linear spec's fla baseline says why it is skipped where fla is missing;
