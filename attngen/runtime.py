@@ -195,6 +195,8 @@ class Op:
                  chunk_size):
         if not isinstance(return_lse, bool):
             raise ValueError(f"return_lse: expected True or False, got {return_lse!r}")
+        if not isinstance(output_final_state, bool):
+            raise ValueError(f"output_final_state: expected True or False, got {output_final_state!r}")
         if self.spec.is_linear:
             if return_lse:
                 raise ValueError(f"return_lse: spec {self.spec.name!r} is linear attention, which has no "

@@ -223,6 +223,14 @@ def test_bad_scale(name, scale):
         op(**inputs, scale=scale)
 
 
+@pytest.mark.parametrize("flag", ["yes", 1, None, torch.tensor(True)])
+def test_bad_output_final_state(flag):
+    """output_final_state is True or False: a truthy string or number is not taken as one."""
+    op, inputs = op_and_inputs("gated_deltanet")
+    with raises_naming("output_final_state", repr(flag)):
+        op(**inputs, output_final_state=flag)
+
+
 def test_good_scale_is_used():
     op, inputs = op_and_inputs("softmax_causal")
     assert not torch.equal(op(**inputs, scale=0.5), op(**inputs, scale=2))
