@@ -124,8 +124,26 @@ class StateCache:
         """Empty these slots (an int, a sequence of ints or an integer tensor) for the requests
         that take them: a zero state, or no keys."""
         held = self.state if self.spec.is_linear else self.lengths
-        index = torch.as_tensor(slots, device=held.device).reshape(-1).to(torch.int64)
-        held.index_fill_(0, index, 0)
+        held.index_fill_(0, self._slot_index(slots).to(held.device), 0)
+
+    def _slot_index(self, slots) -> torch.Tensor:
+        """reset's slots as an int64 tensor, each checked: an integer in [0, slots) (no bool, float or
+        negative index: torch would take a float's integer part and a negative index from the end)."""
+        allowed = f"allowed: an int, a sequence of ints or an integer tensor, each in [0, {self.num_slots})"
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype == torch.bool or slots.dtype.is_floating_point or slots.dtype.is_complex:
+                raise ValueError(f"slots: expected integer slots, got a tensor of {slots.dtype}; {allowed}")
+            index = slots.detach().reshape(-1).to("cpu", torch.int64)
+        else:
+            items = list(slots) if isinstance(slots, (list, tuple, range)) else [slots]
+            bad = [x for x in items if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+            if bad:
+                raise ValueError(f"slots: expected integer slots, got {slots!r}; {allowed}")
+            index = torch.tensor([int(x) for x in items], dtype=torch.int64)
+        out = index[(index < 0) | (index >= self.num_slots)]
+        if out.numel():
+            raise ValueError(f"slots: slot {int(out[0])} is out of range for a cache of {self.num_slots} slots; {allowed}")
+        return index
 
 
 def check_cache(spec: Spec, call: Call, q: torch.Tensor, cache, slots) -> None:

@@ -337,6 +337,23 @@ def test_reset_zeroes_only_its_slots():
     assert cache.state[[0, 2, 3]].abs().max() == 0 and (cache.state[1] == 1).all()
 
 
+@pytest.mark.parametrize("slots, match", [
+    (3.5, r"^slots: expected integer slots, got 3\.5"),
+    ([True], r"^slots: expected integer slots, got \[True\]"),
+    (torch.tensor([1.0]), r"^slots: expected integer slots, got a tensor of torch\.float32"),
+    (-1, r"^slots: slot -1 is out of range for a cache of 4 slots"),
+    ([0, 4], r"^slots: slot 4 is out of range for a cache of 4 slots"),
+])
+def test_reset_names_a_bad_slot_and_changes_nothing(slots, match):
+    """reset takes integer slots in range only: torch would take a float's integer part, a bool as 0 or 1
+    and a negative index from the end, zeroing a slot that another request holds."""
+    cache = small_cache(shipped("mamba2"))
+    cache.state.fill_(1.0)
+    with pytest.raises(ValueError, match=match):
+        cache.reset(slots)
+    assert (cache.state == 1).all()
+
+
 def test_torch_compile_fullgraph(triton_backend):
     """A layer calling the op on its cache compiles without a graph break (the registered op that
     mutates the cache) and updates the cache as the eager call does."""
