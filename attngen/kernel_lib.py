@@ -22,7 +22,7 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "chunk_slots", "chunked_blocks", "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype",
            "chunked_dot", "chunked_dot_precision", "chunked_pass_dtype", "chunked_qk_group", "chunked_round",
-           "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "floor_log_decay", "interpreted",
+           "favor_dot", "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay", "interpreted",
            "packed_max_len", "pow2_floor", "softmax_lse_dtype"]
 
 LOG2E = 1.4426950408889634
@@ -107,24 +107,48 @@ def favor_exponent_row(w, x):
     return (tl.sum(w.to(tl.float64) * x[None, :], 1) - 0.5 * tl.sum(x * x, 0)).to(tl.float32)
 
 
-# The tiles' projections are float64 dots only where the kernel asks (F64: the bidirectional form's,
-# float32 inputs): Triton 3.6 does not lower them in every layout ("fp64 don't support largeK MMA":
-# the chunked backward, the bidirectional form's bf16 tiles), and the chunked state pass at K = 256
-# lacks the shared memory they take.
+# The tiles' projections: PRECISION is "f64" (float64 dots: the bidirectional form's, float32
+# inputs) or the kernel's DOT_PRECISION. Triton 3.6 does not lower float64 dots in every layout
+# ("fp64 don't support largeK MMA": the chunked backward, the bidirectional form's bf16 tiles), and
+# the chunked state pass at K = 256 lacks the shared memory they take. 16-bit inputs ("bf16",
+# "tf32") project on the tensor cores at "tf32x3" (each fp32 operand in two tf32 parts) up to 128
+# key lanes: as "ieee" CUDA-core products the [BT, BK] tiles spilled and took most of each step's
+# time (performer bf16 B4 T8192 H16 K = V = 128 on the H200, fwd+bwd 49.7 -> 13.7 ms, BENCHMARKS.md
+# 2026-12-03); past 128 lanes their tf32 operands asked for 262,144 B of shared memory. float32
+# inputs keep "ieee": tf32x3 drops the low parts' product, which exp turns into the features'
+# relative error, over float32's tolerances.
 @triton.jit
-def favor_exponent_tile(x, w_t, F64: tl.constexpr):
+def favor_dot(a, b, BK: tl.constexpr, PRECISION: tl.constexpr):
+    # a @ b, one of the operands [.., BK] or [BK, ..] of q or k lanes
+    if PRECISION == "f64":
+        c = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+    elif (PRECISION == "bf16" or PRECISION == "tf32") and BK <= 128:
+        c = tl.dot(a, b, input_precision="tf32x3")
+    else:
+        c = tl.dot(a, b, input_precision="ieee")
+    return c
+
+
+@triton.jit
+def favor_exponent_tile(x, w_t, PRECISION: tl.constexpr):
     # x [BT, BK], w_t [BK, BF] -> [BT, BF]
-    if F64:
-        x, w_t = x.to(tl.float64), w_t.to(tl.float64)
-    return (tl.dot(x, w_t, input_precision="ieee") - 0.5 * tl.sum(x * x, 1)[:, None]).to(tl.float32)
+    if PRECISION == "f64":
+        x = x.to(tl.float64)
+    return (favor_dot(x, w_t, x.shape[1], PRECISION) - 0.5 * tl.sum(x * x, 1)[:, None]).to(tl.float32)
 
 
 @triton.jit
-def favor_exponent_tile_t(w, x, F64: tl.constexpr):
+def favor_exponent_tile_t(w, x, PRECISION: tl.constexpr):
     # w [BF, BK], x [BK, BT] -> [BF, BT]
-    if F64:
-        w, x = w.to(tl.float64), x.to(tl.float64)
-    return (tl.dot(w, x, input_precision="ieee") - 0.5 * tl.sum(x * x, 0)[None, :]).to(tl.float32)
+    if PRECISION == "f64":
+        x = x.to(tl.float64)
+    return (favor_dot(w, x, x.shape[0], PRECISION) - 0.5 * tl.sum(x * x, 0)[None, :]).to(tl.float32)
+
+
+@triton.jit
+def favor_grad_tile(dp, w, xs, PRECISION: tl.constexpr):
+    # through p = w x' - |x'|^2 / 2: dp [BT, BF], w [BF, BK], xs = x' [BT, BK] -> dx' [BT, BK]
+    return favor_dot(dp, w, w.shape[1], PRECISION) - xs * tl.sum(dp, 1)[:, None]
 
 
 # --------------------------------------------------------------------------- launch policy: chunked

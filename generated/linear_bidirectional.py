@@ -395,7 +395,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # tiles [BT, *]: the first accumulates the state block [BF, BV], the second
 # reads out o = q̂ S. Keys are featurized transposed, [BK, BT] -> [BF, BT],
 # so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee"
-# (FAVOR+'s projections float64 for float32 inputs: F64). H is the value (state) heads; q and k have
+# (FAVOR+'s projections float64 for float32 inputs: FAVOR_PRECISION). H is the value (state) heads; q and k have
 # H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
@@ -407,7 +407,7 @@ def bidirectional_fwd_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F64: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FAVOR_PRECISION: tl.constexpr,
     QK_GROUP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
@@ -482,7 +482,7 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=BT, BK=BK, BF=BF, BV=BV,
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        F64=q.dtype == torch.float32, QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
+        FAVOR_PRECISION="f64" if q.dtype == torch.float32 else "ieee", QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
     )
     return o, ht
 

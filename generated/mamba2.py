@@ -464,7 +464,7 @@ def chunked_keys_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, QK_GROUP: tl.constexpr,
-    G_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
     # (feature map, ⊙ Γ_C/Γ) and Γ_C, so the sequential pass only multiplies
@@ -737,7 +737,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
-        G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
+        G_DTYPE=chunked_decay_dtype(q.dtype), DOT_PRECISION=chunked_dot_precision(q.dtype),
+        num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
     h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
     hz = None

@@ -31,7 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
                                 chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
-                                favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t)
+                                favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t, favor_grad_tile)
 
 SPEC_NAME = "performer"
 SPEC_HASH = "e5aabca7fa184dd7"
@@ -498,7 +498,7 @@ def chunked_keys_kernel(
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, QK_GROUP: tl.constexpr,
-    G_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
     # (feature map), so the sequential pass only multiplies
@@ -529,7 +529,7 @@ def chunked_keys_kernel(
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * x_scale
-    b_k = favor_exponent_tile(b_k, b_omega_t, False)
+    b_k = favor_exponent_tile(b_k, b_omega_t, DOT_PRECISION)
     b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
 
     # [BT, BF] the keys of the state update
@@ -672,7 +672,7 @@ def chunked_output_kernel(
     # [BT, BK] -> [BT, BF]
     b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q = b_q * x_scale
-    b_q = favor_exponent_tile(b_q, b_omega_t, False)
+    b_q = favor_exponent_tile(b_q, b_omega_t, DOT_PRECISION)
     b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
     b_q = b_q * scale
     # [BF, BK]
@@ -680,7 +680,7 @@ def chunked_output_kernel(
     # [BK, BT] -> [BF, BT] the keys transposed by the load
     b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_kt = b_kt * x_scale
-    b_kt = favor_exponent_tile_t(b_omega, b_kt, False)
+    b_kt = favor_exponent_tile_t(b_omega, b_kt, DOT_PRECISION)
     b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
     # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
     b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
@@ -796,7 +796,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunked_keys_kernel[(n_slots, H)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
-        G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
+        G_DTYPE=chunked_decay_dtype(q.dtype), DOT_PRECISION=chunked_dot_precision(q.dtype),
+        num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
     )
     h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
     hz = torch.empty(n_slots, H, F, **f32)
@@ -935,16 +936,16 @@ def chunked_bwd_du_local_kernel(
     # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q = b_q * x_scale
-    b_q = favor_exponent_tile(b_q, b_omega_t, False)
+    b_q = favor_exponent_tile(b_q, b_omega_t, DOT_PRECISION)
     b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
     b_q = b_q * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * x_scale
-    b_k = favor_exponent_tile(b_k, b_omega_t, False)
+    b_k = favor_exponent_tile(b_k, b_omega_t, DOT_PRECISION)
     b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
     b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_qt = b_qt * x_scale
-    b_qt = favor_exponent_tile_t(b_omega, b_qt, False)
+    b_qt = favor_exponent_tile_t(b_omega, b_qt, DOT_PRECISION)
     b_qt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_qt) * f_scale, 0.0)
     b_qt = b_qt * scale
 
@@ -1112,13 +1113,13 @@ def chunked_bwd_dq_kernel(
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_xs = b_q * x_scale
-    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, False)
+    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, DOT_PRECISION)
     b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
     b_q_hat = b_q_phi
     b_qs = b_q_hat * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_xs = b_k * x_scale
-    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, False)
+    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, DOT_PRECISION)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
     b_k_hat = b_k_phi
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
@@ -1129,7 +1130,7 @@ def chunked_bwd_dq_kernel(
     b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
     # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
     b_dq = b_dq * b_q_phi
-    b_dq = (tl.dot(b_dq, b_omega, input_precision="ieee") - b_q_xs * tl.sum(b_dq, 1)[:, None]) * x_scale
+    b_dq = favor_grad_tile(b_dq, b_omega, b_q_xs, DOT_PRECISION) * x_scale
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
@@ -1204,13 +1205,13 @@ def chunked_bwd_dk_kernel(
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_xs = b_q * x_scale
-    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, False)
+    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, DOT_PRECISION)
     b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
     b_q_hat = b_q_phi
     b_qs = b_q_hat * scale
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_xs = b_k * x_scale
-    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, False)
+    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, DOT_PRECISION)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
     b_k_hat = b_k_phi
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
@@ -1222,7 +1223,7 @@ def chunked_bwd_dk_kernel(
     b_dk = b_dk + b_dki + b_dd[:, None] * b_qs
     # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
     b_dk = b_dk * b_k_phi
-    b_dk = (tl.dot(b_dk, b_omega, input_precision="ieee") - b_k_xs * tl.sum(b_dk, 1)[:, None]) * x_scale
+    b_dk = favor_grad_tile(b_dk, b_omega, b_k_xs, DOT_PRECISION) * x_scale
 
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 

@@ -463,7 +463,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # tiles [BT, *]: the first accumulates the state block [BF, BV] and z [BF], the second
 # reads out o = q̂ S / (q̂ z + eps). Keys are featurized transposed, [BK, BT] -> [BF, BT],
 # so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee"
-# (FAVOR+'s projections float64 for float32 inputs: F64). H is the value (state) heads; q and k have
+# (FAVOR+'s projections float64 for float32 inputs: FAVOR_PRECISION). H is the value (state) heads; q and k have
 # H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
@@ -475,7 +475,7 @@ def bidirectional_fwd_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, F64: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FAVOR_PRECISION: tl.constexpr,
     QK_GROUP: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
@@ -512,7 +512,7 @@ def bidirectional_fwd_kernel(
         # [BK, BT] keys, loaded transposed -> [BF, BT] features
         b_kt = tl.load(k + (i_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         b_kt = b_kt * x_scale
-        b_kt = favor_exponent_tile_t(b_omega, b_kt, F64)
+        b_kt = favor_exponent_tile_t(b_omega, b_kt, FAVOR_PRECISION)
         b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
         # [BT, BV]
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -530,7 +530,7 @@ def bidirectional_fwd_kernel(
         # [BT, BK] -> [BT, BF]
         b_q = tl.load(q + (i_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_q = b_q * x_scale
-        b_q = favor_exponent_tile(b_q, b_omega_t, F64)
+        b_q = favor_exponent_tile(b_q, b_omega_t, FAVOR_PRECISION)
         b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
         b_q = b_q * scale
         # [BT, BV]
@@ -565,7 +565,7 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
         BT=BT, BK=BK, BF=BF, BV=BV,
         IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        F64=q.dtype == torch.float32, QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
+        FAVOR_PRECISION="f64" if q.dtype == torch.float32 else "ieee", QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
     )
     return o, ht
 
