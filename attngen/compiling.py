@@ -78,16 +78,22 @@ def compile_only(workers: int, ignore_errors: bool = False):
     nothing (outputs stay as allocated); on leaving, every compilation has finished. ignore_errors:
     a kernel that fails to compile is left out (its launch compiles it again and raises), else
     leaving raises its error."""
-    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
 
     _install()
     token = _COMPILE_ONLY.set(True)
+    mode = None
     try:
-        with (_Pool(workers, thread_name_prefix="attngen-compile") as pool,
-              AsyncCompileMode(pool, ignore_errors=ignore_errors)):
-            yield
+        with _Pool(workers, thread_name_prefix="attngen-compile") as pool:
+            mode = AsyncCompileMode(pool, ignore_errors=ignore_errors)
+            with mode:
+                yield
     finally:
         _COMPILE_ONLY.reset(token)
+        # Triton's AsyncCompileMode.__exit__ leaves itself active when a compilation raised: every later
+        # call of this thread would then fail with "Another AsyncCompileMode is already active"
+        if mode is not None and active_mode.get() is mode:
+            active_mode.set(None)
 
 
 def applies(device: torch.device) -> bool:

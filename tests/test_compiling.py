@@ -1,6 +1,8 @@
 """attngen/compiling.py on the CPU: the pool's size from ATTNGEN_COMPILE_THREADS, and which calls
 take the dry run (the first of each kind, where the pool has more than one thread, on CUDA and
 not under the interpreter). The compilation itself is a GPU test (tests/gpu/test_gpu_compile.py)."""
+import inspect
+
 import pytest
 import torch
 
@@ -52,6 +54,28 @@ def test_applies_on_cuda_only(monkeypatch):
     assert compiling.applies(torch.device("cuda"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not compiling.applies(torch.device("cuda"))
+
+
+def test_a_failed_compilation_leaves_no_mode_active():
+    """A kernel whose compilation raises inside compile_only: the error reaches the caller, and the
+    thread's next compile_only (its next first call) starts; Triton's AsyncCompileMode leaves itself
+    active when a compilation raised, and every later call failed with "Another AsyncCompileMode is
+    already active"."""
+    from triton.runtime._async_compile import active_mode
+
+    def broken():
+        raise RuntimeError("compilation failed")
+
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        with compiling.compile_only(2):
+            mode = active_mode.get()
+            # the callbacks after key and compile_fn: finalize (Triton 3.6), and cleanup (3.9)
+            callbacks = len(inspect.signature(mode.submit).parameters) - 2
+            mode.submit("kernel", broken, *[lambda *args: None] * callbacks)
+    assert active_mode.get() is None
+    with compiling.compile_only(2):
+        assert active_mode.get() is not None
+    assert active_mode.get() is None
 
 
 class _Recorder:
