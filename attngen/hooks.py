@@ -182,6 +182,9 @@ class AdditiveRule:
     dk_out: str = "dk"              # step 4's key gradient: the op's
     dg_out: str = "dg"              # step 4's decay gradient: the op's
     values_note: str = ""           # what the written values are, in a comment
+    # whether its state passes split a sequence into segments (kernel_lib.chunked_state_segments): a
+    # segment's end state is D S + E of its start state S, D the diagonal of its decays
+    segmented: bool = True
 
     def state_values(self) -> str:
         """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
@@ -210,6 +213,7 @@ class DeltaRule(AdditiveRule):
     dk_out: str = "dk_part"
     dg_out: str = "dg_part"
     values_note: str = " (chunked_states_kernel's U)"
+    segmented: bool = False         # its segments' end states are M S + E, M a [K, K] product of (I - β k w^T)
 
     def state_values(self) -> str:
         return ("# [BT, BF] W, as stored\n"

@@ -22,8 +22,9 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "chunk_slots", "chunked_blocks", "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype",
            "chunked_dot", "chunked_dot_precision", "chunked_pass_dtype", "chunked_qk_group", "chunked_round",
-           "favor_dot", "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay", "interpreted",
-           "packed_max_len", "pow2_floor", "softmax_lse_dtype"]
+           "chunked_state_segments", "favor_dot", "favor_exponent_row", "favor_exponent_tile",
+           "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay", "interpreted", "packed_max_len", "pow2_floor",
+           "softmax_lse_dtype"]
 
 LOG2E = 1.4426950408889634
 
@@ -205,6 +206,37 @@ def chunked_blocks(K, F, launch):
     """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
     # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
     return max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F)), launch.BV
+
+
+# The sequential state passes of the additive rules split each sequence into segments of chunks
+# where their programs (one per sequence x head and value block) leave most SMs idle: a single long
+# sequence at B1 H16 runs 32 programs on the H200's 132 SMs. Each segment's end state is linear in
+# its start state, S_end = D S_start + E (D the segment's decay, E its own end state from zeros): a
+# first launch computes every segment's E and D, a second starts each segment from the initial state
+# and the E, D before it (a scan over the segments, in registers) and stores its chunk-start states.
+# bf16 B1 T32768 H16 K = V = 128 on the H200 (BENCHMARKS.md 2026-12-03), fwd+bwd at 9 segments against 1:
+# mamba2 4.197 -> 2.645 ms, retnet 4.128 -> 2.561, linear_transformer 5.944 -> 4.278, gla 11.781 ->
+# 6.397. Not at B4 T8192 (128 programs), where 3 segments measured slower (mamba2 2.369 -> 2.434,
+# linear_transformer 3.580 -> 3.862; the forward slower for every spec): a split only where the
+# programs are at most half the SMs, into SEGMENT_PROGRAMS / programs segments of at least
+# SEGMENT_MIN_CHUNKS chunks.
+SEGMENT_SMS = 132
+SEGMENT_PROGRAMS = 2 * SEGMENT_SMS
+SEGMENT_MIN_CHUNKS = 4
+
+
+def chunked_state_segments(programs, T, chunk, split=True):
+    """(G, SEG): the state passes' segments of each sequence, G of SEG chunks, for a pass of `programs`
+    programs per segment over sequences of T tokens. split False: one segment (G = 1), as packed
+    sequences take (their lengths are not read back to the host) and a serving cache (read and
+    written in place: the last segment's final state would overwrite the initial state another
+    segment reads)."""
+    n = triton.cdiv(T, chunk)
+    G = 1
+    if split and 2 * programs <= SEGMENT_SMS:
+        G = max(1, min(triton.cdiv(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
+    seg = triton.cdiv(n, G)
+    return triton.cdiv(n, seg), seg
 
 
 def chunked_check_chunk(chunk):

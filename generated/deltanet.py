@@ -802,14 +802,14 @@ def chunked_wu_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
+    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
     # dims
-    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, SEG, NE, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr, ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_ut_kernel's W, U0 (U written over it), K ⊙ Γ_C/Γ
@@ -845,13 +845,14 @@ def chunked_states_kernel(
     o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
+    if HAS_H0 and not ENDS:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
 
     for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, for the output pass: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        if not ENDS:
+            # the chunk-start state, for the output pass: [chunk slots, H, F, V]
+            o_hc = ((boc + i_c) * H + i_h) * F * V
+            tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -871,7 +872,7 @@ def chunked_states_kernel(
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
 
-    if STORE_HT:
+    if STORE_HT and not ENDS:
         tl.store(ht + o_state, b_h, mask=m_state)
 
 
@@ -1046,12 +1047,17 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
-        T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
-        BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
-    )
+    grid = (N * H, triton.cdiv(V, launch.states_BV))
+    # the delta rule's state pass in one segment (hooks.DeltaRule.segmented)
+    G, seg, he, hd, hez = 1, triton.cdiv(T, chunk), None, None, None
+    args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
+    meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
+                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages)
+    if G > 1:
+        # each segment's end state E, then the states from them
+        chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
+    chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
     return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
@@ -1192,12 +1198,13 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
     # dims
-    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
     # meta
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
     # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU (in place)
@@ -1223,15 +1230,16 @@ def chunked_bwd_states_kernel(
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_DHT:
+    if HAS_DHT and not ENDS:
         b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
 
     NT = tl.cdiv(T_seq, BT)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
+        if not ENDS:
+            # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
+            o_hc = ((boc + i_c) * H + i_h) * F * V
+            tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -1245,15 +1253,16 @@ def chunked_bwd_states_kernel(
         # [BT, BV] dU = (step 2's P^T dO) + K̂ dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
+        if not ENDS:
+            b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+            tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- dS + Q̂^T dO - W^T dU: the gradient of the chunk-start state
 
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
         b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh))
 
-    if HAS_H0:
+    if HAS_H0 and not ENDS:
         tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
 
 
@@ -1569,8 +1578,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     chunked_bwd_states_kernel[(N * H, triton.cdiv(V, launch.bwd_states_BV))](
-        st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
+        st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, None, None, cu_seqlens, st.chunk_offsets, T, 0, 0, H, V, V, F,
+        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, ENDS=False, SPLIT=False,
         **dict(meta, BV=launch.bwd_states_BV),
     )
     # W, the state keys, Γ_C and the queries of step 3 have no reader past it: their memory goes back

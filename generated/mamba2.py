@@ -31,7 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
                                 chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
-                                floor_log_decay)
+                                chunked_state_segments, floor_log_decay)
 
 SPEC_NAME = "mamba2"
 SPEC_HASH = "fbdb4a761c3e29f3"
@@ -510,17 +510,20 @@ def chunked_keys_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
+    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
     # dims
-    T, S, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    T, S, SEG, NE, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr, ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_keys_kernel's K ⊙ Γ_C/Γ and Γ_C
+    # and segment (axis 2): the chunks [c0, c1) of SEG, kernel_lib.chunked_state_segments. ENDS: the first of two
+    # launches, each segment's end state from zeros (E into he [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into hd [N, NE, H, F]); the second starts
+    # a segment from the initial state and the segments before it (S <- D S + E) and stores its states
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -534,6 +537,9 @@ def chunked_states_kernel(
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    i_g = tl.program_id(2)
+    c0 = i_g * SEG
+    c1 = tl.minimum(c0 + SEG, tl.cdiv(T_seq, BT))
 
     o_i = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -553,13 +559,22 @@ def chunked_states_kernel(
     o_state = (i_row * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = tl.where(m_row_ok, m_f[:, None] & m_v[None, :], False)
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
+    if HAS_H0 and not ENDS:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+    m_fv = m_f[:, None] & m_v[None, :]
+    if SPLIT and not ENDS:
+        # the segments before this one
+        for j in range(0, i_g):
+            o_e = (i_n.to(tl.int64) * NE + j) * H + i_h
+            b_dj = tl.load(hd + o_e * F + o_f, mask=m_f, other=0.0)
+            b_h = b_h * b_dj[:, None] + tl.load(he + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
+    b_dseg = tl.full([BF], 1.0, tl.float32)
 
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
-        # the chunk-start state, for the output pass: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
+    for i_c in range(c0, c1):
+        if not ENDS:
+            # the chunk-start state, for the output pass: [chunk slots, H, F, V]
+            o_hc = ((boc + i_c) * H + i_h) * F * V
+            tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -573,9 +588,18 @@ def chunked_states_kernel(
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C)
+        if ENDS:
+            b_dseg = b_dseg * b_gam_C
 
-    if STORE_HT:
-        tl.store(ht + o_state, b_h, mask=m_state)
+    if ENDS:
+        o_e = (i_n.to(tl.int64) * NE + i_g) * H + i_h
+        tl.store(he + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_h, mask=m_fv)
+        if i_v == 0:
+            tl.store(hd + o_e * F + o_f, b_dseg, mask=m_f)
+    if STORE_HT and not ENDS:
+        # the last segment's end: the final state
+        if i_g == tl.num_programs(2) - 1:
+            tl.store(ht + o_state, b_h, mask=m_state)
 
 
 @triton.jit
@@ -747,12 +771,21 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    chunked_states_kernel[(N * H, triton.cdiv(V, launch.states_BV))](
-        k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, cu_seqlens, chunk_offsets, state_indices,
-        T, initial_state.shape[0] if initial_state is not None else N, H, K, V, F, VS, K ** -0.25, F ** -0.5,
-        HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
-        BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages, **meta,
-    )
+    grid = (N * H, triton.cdiv(V, launch.states_BV))
+    # the pass by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments):
+    # their end states E, decays D
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None and not indexed)
+    he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
+    hd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
+    hez = None
+    args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
+    meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
+                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages)
+    if G > 1:
+        # each segment's end state E and decay D, then the states from them
+        chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
+    chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
     return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
 
@@ -896,15 +929,21 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, dv, ds, dh0, cu_seqlens, chunk_offsets,
+    w, kr, qg, gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
     # dims
-    T, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
     # meta
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
     # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU and dv
+    # And segment (axis 2), walked back over its chunks [c0, c1) of SEG (kernel_lib.chunked_state_segments).
+    # ENDS: the first of two launches, each segment's gradient of its start state from zeros (E into dse
+    # [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into
+    # dsd [N, NE, H, F]); the second starts a segment from the final state's gradient and the segments
+    # after it (dS <- D dS + E) and stores its chunks' gradients
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -918,6 +957,12 @@ def chunked_bwd_states_kernel(
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    # the segment: ENDS' programs take segments 1 .. G - 1 (segment 0's E has no reader)
+    i_g = tl.program_id(2)
+    if ENDS:
+        i_g += 1
+    c0 = i_g * SEG
+    c1 = tl.minimum(c0 + SEG, tl.cdiv(T_seq, BT))
 
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
@@ -927,15 +972,22 @@ def chunked_bwd_states_kernel(
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_DHT:
+    if HAS_DHT and not ENDS:
         b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+    if SPLIT and not ENDS:
+        # the segments after this one, the last first
+        for j in range(i_g + 1, tl.num_programs(2)):
+            o_e = (i_n.to(tl.int64) * NE + (tl.num_programs(2) + i_g - j - 1)) * H + i_h
+            b_dj = tl.load(dsd + o_e * F + o_f, mask=m_f, other=0.0)
+            b_dh = b_dh * b_dj[:, None] + tl.load(dse + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_state, other=0.0)
+    b_dseg = tl.full([BF], 1.0, tl.float32)
 
-    NT = tl.cdiv(T_seq, BT)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
-        # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
-        o_hc = ((boc + i_c) * H + i_h) * F * V
-        tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
+    for i_r in range(0, c1 - c0):
+        i_c = c1 - 1 - i_r
+        if not ENDS:
+            # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
+            o_hc = ((boc + i_c) * H + i_h) * F * V
+            tl.store(ds + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_dh, ds.dtype.element_ty, DOT_PRECISION), mask=m_state)
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_t = i_c * BT + o_i
         m_t = o_t < T_seq
@@ -949,15 +1001,25 @@ def chunked_bwd_states_kernel(
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
-        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
+        if not ENDS:
+            b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+            tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C)
+        if ENDS:
+            b_dseg = b_dseg * b_gam_C
 
-    if HAS_H0:
-        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+    if ENDS:
+        o_e = (i_n.to(tl.int64) * NE + i_g - 1) * H + i_h
+        tl.store(dse + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_dh, mask=m_state)
+        if i_v == 0:
+            tl.store(dsd + o_e * F + o_f, b_dseg, mask=m_f)
+    if HAS_H0 and not ENDS:
+        # the first segment's start: the initial state's gradient
+        if i_g == 0:
+            tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
 
 
 @triton.jit
@@ -1196,11 +1258,19 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, launch.bwd_states_BV))](
-        None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, cu_seqlens, st.chunk_offsets, T, H, V, V, F,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
-        **dict(meta, BV=launch.bwd_states_BV),
-    )
+    # by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments): their
+    # start states' gradients E, decays D
+    grid = (N * H, triton.cdiv(V, launch.bwd_states_BV))
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None)
+    dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
+    dsd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
+    args = (None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets,
+            T, seg, G - 1, H, V, V, F)
+    kw = dict(meta, HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
+              BV=launch.bwd_states_BV, SPLIT=G > 1)
+    if G > 1:
+        chunked_bwd_states_kernel[grid + (G - 1,)](*args, ENDS=True, **kw)
+    chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
     # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
     del qg, du

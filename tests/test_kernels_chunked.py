@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen
+from attngen import codegen, kernel_lib
 from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, tolerance
 from attngen.reference import random_features, reference
 
@@ -231,3 +231,33 @@ def test_stored_states_dtype_keeps_outputs(name, monkeypatch):
     monkeypatch.setattr(module, "chunked_states_dtype", lambda dtype: torch.float32)
     o32, ht32 = run()
     assert torch.equal(o, o32) and torch.equal(ht, ht32)
+
+
+SEGMENTED = ["linear_transformer", "performer", "mamba2", "retnet", "gla"]
+
+
+@pytest.mark.parametrize("min_chunks, segments", [(1, 7), (3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", SEGMENTED)
+def test_state_pass_in_segments(name, dtype, min_chunks, segments, monkeypatch):
+    """The additive rules' state pass by segments of a sequence's chunks, each started from the
+    initial state and the segments' end states before it (kernel_lib.chunked_state_segments; the
+    H200 splits where the sequences x heads leave SMs idle): 7 chunks of 16 in 7 segments of one, or
+    2 of four and three, two sequences, an initial state; outputs and final state."""
+    monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", min_chunks)
+    assert kernel_lib.chunked_state_segments(2, 100, 16) == (segments, 7 // segments + (segments == 2))
+    check(name, Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), dtype, seed=min_chunks)
+
+
+def test_state_segments_policy():
+    """One segment for packed sequences and serving caches (split=False), where the programs are over
+    half the SMs, or below two segments' worth of chunks; else SEGMENT_PROGRAMS / programs segments
+    (B1 T32768 H16 at 64 value lanes: 32 programs, 9 segments of 57 chunks); the segments cover the chunks."""
+    assert kernel_lib.chunked_state_segments(32, 32768, 64, split=False) == (1, 512)
+    assert kernel_lib.chunked_state_segments(32, 32768, 64) == (9, 57)
+    assert kernel_lib.chunked_state_segments(kernel_lib.SEGMENT_SMS // 2 + 1, 32768, 64) == (1, 512)
+    assert kernel_lib.chunked_state_segments(128, 8192, 64) == (1, 128)
+    assert kernel_lib.chunked_state_segments(1, 64 * (2 * kernel_lib.SEGMENT_MIN_CHUNKS - 1), 64)[0] == 1
+    for programs in (1, 7, 32, 66):
+        G, seg = kernel_lib.chunked_state_segments(programs, 32768 - 5, 64)
+        assert G > 1 and (G - 1) * seg < 512 <= G * seg and programs * (G - 1) < kernel_lib.SEGMENT_PROGRAMS

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen, planner
+from attngen import codegen, kernel_lib, planner
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error
 
@@ -392,3 +392,16 @@ def test_runtime_asks_for_the_inverse_only_when_differentiated(monkeypatch, grad
     if grad:
         o.sum().backward()
         assert all(leaves[n].grad is not None for n in ("q", "k", "v"))
+
+
+@pytest.mark.parametrize("min_chunks, segments", [(1, 7), (3, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["linear_transformer", "performer", "mamba2", "retnet", "gla", "gla_sum"])
+def test_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, min_chunks, segments):
+    """The additive rules' state passes (the recomputed chunk-start states and the state gradient)
+    by segments of a sequence's chunks (kernel_lib.chunked_state_segments): 7 chunks of 16 in 7
+    segments of one, or 2 of four and three, two sequences, an initial state; every gradient."""
+    monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", min_chunks)
+    assert kernel_lib.chunked_state_segments(2, 100, 16)[0] == segments
+    check(kernel_backward, SPECS[name], Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), dtype,
+          seed=min_chunks)
