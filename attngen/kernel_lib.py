@@ -20,11 +20,11 @@ import triton.language as tl
 from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 
 # what a generated module may import (codegen imports in each the names its code calls)
-__all__ = ["LOG2E", "chunk_slots", "chunked_blocks", "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype",
-           "chunked_dot", "chunked_dot_precision", "chunked_pass_dtype", "chunked_qk_group", "chunked_round",
-           "chunked_state_segments", "favor_dot", "favor_exponent_row", "favor_exponent_tile",
-           "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay", "interpreted", "packed_max_len", "pow2_floor",
-           "softmax_lse_dtype"]
+__all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "chunk_slots", "chunked_blocks",
+           "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
+           "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
+           "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
+           "interpreted", "packed_max_len", "pow2_floor", "softmax_lse_dtype"]
 
 LOG2E = 1.4426950408889634
 

@@ -1440,7 +1440,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
     # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
-    del qg, du
+    del qg, du, args, dse, dsd
     st = st._replace(kr=None, gc=None)
     # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)

@@ -1306,7 +1306,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
     # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
-    del qg, du, rz
+    del qg, du, args, dse, dsd, rz, dsez
     st = st._replace(kr=None, gc=None)
     # step 4a: dq; 4b: dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)

@@ -112,12 +112,15 @@ def test_module_imports_the_kernel_lib_names_it_calls(spec_dict):
 
 
 def _launches(module, fn: str) -> list[str]:
-    """The kernels a generated launcher starts, in source order (chunked_states expanded)."""
+    """The kernels a generated launcher starts, in source order (chunked_states expanded), each step once."""
     import inspect
     import re
     out = []
     for m in re.finditer(r"\b(chunked_\w+_kernel)\[|(?<!def )\bchunked_states\(", inspect.getsource(getattr(module, fn))):
-        out += [m.group(1)] if m.group(1) else _launches(module, "chunked_states")
+        for kernel in [m.group(1)] if m.group(1) else _launches(module, "chunked_states"):
+            # a step's two launches in a row (the state passes' segment ends, then the states) are one step
+            if not out or out[-1] != kernel:
+                out.append(kernel)
     return out
 
 

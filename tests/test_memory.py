@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import attngen
+from attngen import kernel_lib
 from attngen.testing import Shape
 
 import specs
@@ -33,16 +34,21 @@ def test_the_backward_releases_what_its_later_steps_do_not_read():
     shape = Shape(batch=B, q_len=T, heads=H, head_dim=D, value_dim=D)
     tok16, tok32 = B * T * H * D * 2, B * T * H * D * 4
     states = lambda chunk: (T // chunk) * B * H * D * D * 2  # noqa: E731  [slots, H, F, V] bf16
+    # the state-gradient pass's segments (kernel_lib.chunked_state_segments, 64-lane value blocks): their
+    # start states' gradients [N, G - 1, H, F, V] float32 and decays or normalizer columns [N, G - 1, H, F]
+    G = kernel_lib.chunked_state_segments(B * H * D // 64, T, 64)[0]
+    ends = (G - 1) * B * H * (D * D + D) * 4
     live = {
         # step 4b: h_c and dS, U, dU, dq, the output, (I + A)^-1 rows (the forward's, at its 64-token
         # chunks), step 4's dk̂ (float32), dgq, dg part
         "gated_deltanet": 2 * states(32) + 4 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4,
         # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
-        "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32,
+        "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32 + ends,
         # step 3: h_c and the normalizer's column z_c, the state keys, dU (float32), the queries of step 3
         # and their products with c, dO / n, n, c and its two value blocks' shares, dS and its column dz,
         # dv, the output: the normalizer's columns float32 [chunk slots, H, F] apart from the bf16 states
-        "linear_transformer": 2 * states(64) + 3 * (T // 64) * B * H * D * 4 + 5 * tok16 + tok32 + 4 * B * T * H * 4,
+        "linear_transformer": 2 * states(64) + 3 * (T // 64) * B * H * D * 4 + 5 * tok16 + tok32 + 4 * B * T * H * 4
+        + ends,
     }
     with tool.no_launches():
         for name, expected in live.items():
