@@ -780,6 +780,8 @@ class KernelSpec:
                                         # rendered from templates/chunked/<step>.py.jinja
     chunked_bwd_steps: tuple[str, ...]  # the chunked backward's own step kernels in launch order, each rendered
                                         # from templates/chunked_bwd/<step>.py.jinja (the forward's it recomputes apart)
+    stored_features: bool           # the output passes and the backward's step 2 read stored features of the keys
+                                    # (kr) and queries (qg) rather than projecting k and q again (stored_features)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
 
@@ -806,6 +808,18 @@ def ut_inverse(spec: Spec) -> str:
     return "doubling" if spec.decay == "vector" else "substitution"
 
 
+def stored_features(spec: Spec) -> bool:
+    """Whether the chunked kernels reuse stored features rather than project q and k again: the output
+    passes and the backward's step 2 read the keys' features the keys step stored (kr); with the sum
+    normalizer the backward's output pass stores the queries' features (qg) and step 2 reads them, in
+    rows and transposed, without the normalizer step 2 reads its own back (past a barrier) for P^T.
+    FAVOR+ without decay: each featurized tile there costs a projection of [BT, K] by the random
+    features (three dots at tf32x3) and a layout of them in registers, where a stored tile is one
+    load; without decay kr holds the features themselves (with a decay, K ⊙ Γ_C/Γ), and the scores'
+    dots round them to the dots' dtype as the store did."""
+    return spec.is_linear and spec.feature_map == "favor_plus" and spec.decay == "none" and spec.update == "additive"
+
+
 def kernel_spec(spec: Spec) -> KernelSpec:
     from . import algebra  # sympy only when generating code
 
@@ -826,7 +840,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
-        chunked_bwd_steps=step_names(backward, "chunked_bwd_"),
+        chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
@@ -857,7 +871,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     prepare = (("chunked_ut_kernel", ut), ("chunked_wu_kernel", wu.format(""))) if delta else keys
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else ""))
-    forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U"))
+    stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
+    forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored))
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
     if delta:
@@ -868,9 +883,11 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                    ("chunked_wu_kernel", wu.format(", or at bwd_wu_warps from the forward's (I + A)^-1 where it kept it")))
     backward = (*prepare, states)
     if norm:
-        backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token"),)
+        backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
+                      + (", the queries' features for the steps after it" if stored else "")),)
     backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"
-                  + (", (Q ⊙ Γ)^T c" if norm else "")),
+                  + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
+                                                         if stored else "")),
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")))
     decayed = spec.decay != "none"

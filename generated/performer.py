@@ -31,8 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
                                 chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
-                                chunked_state_segments, favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t,
-                                favor_grad_tile)
+                                chunked_state_segments, favor_exponent_row, favor_exponent_tile, favor_grad_tile)
 
 SPEC_NAME = "performer"
 SPEC_HASH = "e5aabca7fa184dd7"
@@ -647,7 +646,7 @@ def chunked_states_kernel(
 @triton.jit
 def chunked_output_kernel(
     # pointers
-    q, k, v, g, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, v, g, omega, kr, qg, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -698,13 +697,8 @@ def chunked_output_kernel(
     b_q = favor_exponent_tile(b_q, b_omega_t, DOT_PRECISION)
     b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
     b_q = b_q * scale
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # [BK, BT] -> [BF, BT] the keys transposed by the load
-    b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_kt = b_kt * x_scale
-    b_kt = favor_exponent_tile_t(b_omega, b_kt, DOT_PRECISION)
-    b_kt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_kt) * f_scale, 0.0)
+    # [BF, BT] the keys' features as the keys step stored them (kr, by value heads), transposed by the load
+    b_kt = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
     # [BT, BT] P: the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t)
     b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
     b_qg = b_q
@@ -725,6 +719,8 @@ def chunked_output_kernel(
         tl.store(o + o_tok[:, None] * V + o_v[None, :], (b_do / b_n[:, None]).to(o.dtype.element_ty), mask=m_tv)
         if i_v == 0:
             tl.store(norm + o_tok, b_n, mask=m_t)
+            # the queries' features Q̂ (with scale) for the backward's steps 2 and 3
+            tl.store(qg + o_tok[:, None] * F + o_f[None, :], b_qg.to(qg.dtype.element_ty), mask=m_t[:, None] & m_f[None, :])
     else:
         tl.store(o + o_tok[:, None] * V + o_v[None, :], (b_o / b_n[:, None]).to(o.dtype.element_ty), mask=m_tv)
 
@@ -859,11 +855,11 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     saved = None
-    # the output pass reads the states only: the rest goes back before o is allocated
-    st = st._replace(kr=None, gc=None)
+    # the output pass reads the states and the keys' features only: the rest goes back before o is allocated
+    st = st._replace(gc=None)
     o = torch.empty_like(v)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
-        q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+        q, k, v, g, omega, st.kr, None, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
@@ -922,7 +918,7 @@ CHUNKED_BACKWARD = ("chunked",)
 @triton.jit
 def chunked_bwd_du_local_kernel(
     # pointers
-    q, k, g, omega, do, du, qg, c, rz, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, kr, do, du, qg, c, rz, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -960,30 +956,14 @@ def chunked_bwd_du_local_kernel(
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
-    # [BF, BK]
-    b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-    # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q = b_q * x_scale
-    b_q = favor_exponent_tile(b_q, b_omega_t, DOT_PRECISION)
-    b_q = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q) * f_scale, 0.0)
-    b_q = b_q * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * x_scale
-    b_k = favor_exponent_tile(b_k, b_omega_t, DOT_PRECISION)
-    b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
-    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_qt = b_qt * x_scale
-    b_qt = favor_exponent_tile_t(b_omega, b_qt, DOT_PRECISION)
-    b_qt = tl.where(m_f[:, None] & m_t[None, :], tl.exp(b_qt) * f_scale, 0.0)
-    b_qt = b_qt * scale
+    # [BT, BF] the queries' features (with scale) as the backward's output pass stored them (qg), [BF, BT]
+    # transposed by the load; [BT, BF] the keys' as the keys step stored them (kr)
+    b_q = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
+    b_qt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+    b_k = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
 
     # [BT, BF] the queries of the state gradient
     b_qg = b_q
-    tl.store(qg + o_tok[:, None] * F + o_f[None, :], b_qg.to(qg.dtype.element_ty), mask=m_tf)
     # [BF] their products with c (0 on padded tokens), for step 3's normalizer column
     b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
     tl.store(rz + (i_s.to(tl.int64) * H + i_h) * F + o_f, tl.sum(b_qg * b_c[:, None], 0), mask=m_f)
@@ -1104,7 +1084,7 @@ def chunked_bwd_states_kernel(
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, kr, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1167,18 +1147,14 @@ def chunked_bwd_dq_kernel(
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
+    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂ as kr holds it
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_xs = b_q * x_scale
     b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, DOT_PRECISION)
     b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
     b_q_hat = b_q_phi
     b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k_xs = b_k * x_scale
-    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, DOT_PRECISION)
-    b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
-    b_k_hat = b_k_phi
+    b_k_hat = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k_hat, DOT_PRECISION, b_dq)
@@ -1194,7 +1170,7 @@ def chunked_bwd_dq_kernel(
 @triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, ds, hz, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, qg, kr, do, c, u, h, ds, hz, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1234,9 +1210,6 @@ def chunked_bwd_dk_kernel(
     # [BF, BK]
     b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-
     # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries,
     # keys and decays are loaded after this loop)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
@@ -1259,17 +1232,11 @@ def chunked_bwd_dk_kernel(
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q_xs = b_q * x_scale
-    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, DOT_PRECISION)
-    b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
-    b_q_hat = b_q_phi
-    b_qs = b_q_hat * scale
+    # [BT, BF] q̂ (with scale) and k̂ as qg and kr hold them; [BT, BK] the raw keys
+    b_qs = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_xs = b_k * x_scale
-    b_k_phi = favor_exponent_tile(b_k_xs, b_omega_t, DOT_PRECISION)
-    b_k_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k_phi) * f_scale, 0.0)
+    b_k_phi = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     b_k_hat = b_k_phi
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
@@ -1332,8 +1299,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     OBV = min(launch.output_BV, 64)
     c_part = torch.empty(triton.cdiv(V, OBV), B, T, H, **f32)
     do_n = torch.empty(B, T, H, V, **tiles)
+    # and the queries' features Q̂ (with scale), which steps 2 and 3 read (planner.stored_features)
+    qg = torch.empty(B, T, H, F, **tiles)
     chunked_output_kernel[(st.n_slots, triton.cdiv(V, OBV) * H)](
-        q, k, v, g, omega, None, st.h, st.hz, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+        q, k, v, g, omega, st.kr, qg, None, st.h, st.hz, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
         DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), num_warps=launch.output_warps,
@@ -1343,13 +1312,12 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     do = do_n
     # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
     u = v.to(chunked_pass_dtype(q.dtype))
-    # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
-    # the queries of the state gradient
-    du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
+    # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once)
+    du = torch.empty(B, T, H, V, **f32)
     # and the chunks' products (Q̂)^T c [chunk slots, H, F], step 3's for the normalizer column
     rz = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_du_local_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, du, qg, c, rz, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
+        q, k, g, omega, st.kr, do, du, qg, c, rz, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
     # step 3: the state gradient per chunk, dv, dh0, by value blocks of its own (launch.bwd_states_BV;
@@ -1375,17 +1343,18 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
     # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
-    del qg, du, args, dse, dsd, rz, dsez
-    st = st._replace(kr=None, gc=None)
+    # step 4 reads the state keys' features and the queries of step 3 (kr, qg)
+    del du, args, dse, dsd, rz, dsez
+    st = st._replace(gc=None)
     # step 4a: dq; 4b: dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, st.kr, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, c, u, st.h, ds, st.hz, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, qg, st.kr, do, c, u, st.h, ds, st.hz, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     return dq, dk, dv, dg, None, None, dh0, None
