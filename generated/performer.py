@@ -1084,7 +1084,7 @@ def chunked_bwd_states_kernel(
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, kr, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, qg, kr, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1124,9 +1124,6 @@ def chunked_bwd_dq_kernel(
     # [BF, BK]
     b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-    # [BK, BF]
-    b_omega_t = tl.load(omega + o_f[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_f[None, :], other=0.0).to(tl.float32)
-
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
     # after this loop, which does not read them: they would hold registers through it)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
@@ -1147,20 +1144,18 @@ def chunked_bwd_dq_kernel(
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂ as kr holds it
+    # [BT, BF] k̂ as kr holds it; [BT, BK] the raw queries and, for the chain rule, their features with scale
+    # (q̂ scale) as qg holds them
+    b_k_hat = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_q_xs = b_q * x_scale
-    b_q_phi = favor_exponent_tile(b_q_xs, b_omega_t, DOT_PRECISION)
-    b_q_phi = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_q_phi) * f_scale, 0.0)
-    b_q_hat = b_q_phi
-    b_qs = b_q_hat * scale
-    b_k_hat = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
+    b_q_phi = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k_hat, DOT_PRECISION, b_dq)
 
-    # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
-    b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
+    # the pair s = t back in; dq̂ -> the gradient of the raw queries (scale is in the chain rule's factor b_q_phi)
+    b_dq = b_dq + b_dd[:, None] * b_k_hat
     # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
     b_dq = b_dq * b_q_phi
     b_dq = favor_grad_tile(b_dq, b_omega, b_q_xs, DOT_PRECISION) * x_scale
@@ -1350,7 +1345,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, st.kr, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, qg, st.kr, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     chunked_bwd_dk_kernel[(st.n_slots, H)](
