@@ -20,11 +20,11 @@ import triton.language as tl
 from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 
 # what a generated module may import (codegen imports in each the names its code calls)
-__all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "chunk_slots", "chunked_blocks",
+__all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_floor", "softmax_lse_dtype"]
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype"]
 
 LOG2E = 1.4426950408889634
 
@@ -181,6 +181,21 @@ def chunked_pass_dtype(dtype):
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
+# --------------------------------------------------------------------------- host integers
+# The launchers' grid and block arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are
+# Triton ConstexprFunctions, about 2 us a call on the host (Triton 3.6), which a decode step or a small
+# call pays several times over.
+
+def ceil_div(a, b):
+    """ceil(a / b) for integers, b > 0."""
+    return -(-a // b)
+
+
+def pow2_ceil(n):
+    """The smallest power of two >= n (1 for n < 1)."""
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def chunk_slots(cu_seqlens, B, T, chunk):
     """The slots of the per-chunk buffers: (chunk_offsets, chunk_seq, n_slots). Sequence n's
     chunk c is slot n * cdiv(T, chunk) + c; with cu_seqlens, slot chunk_offsets[n] + c, and
@@ -188,11 +203,11 @@ def chunk_slots(cu_seqlens, B, T, chunk):
     the slots without reading the lengths back to the host; spare slots map past the last
     sequence's end."""
     if cu_seqlens is None:
-        return None, None, B * triton.cdiv(T, chunk)
+        return None, None, B * ceil_div(T, chunk)
     N = cu_seqlens.numel() - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1] + chunk - 1) // chunk
     ends = torch.cumsum(lens, 0)
-    n_slots = triton.cdiv(T, chunk) + N
+    n_slots = ceil_div(T, chunk) + N
     chunk_seq = torch.searchsorted(ends, torch.arange(n_slots, device=cu_seqlens.device), right=True).clamp_(max=N - 1)
     return ends - lens, chunk_seq, n_slots
 
@@ -205,7 +220,7 @@ def chunked_qk_group(q, v):
 def chunked_blocks(K, F, launch):
     """(BK, BF, BV): key, feature and value lanes of the chunked kernels."""
     # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
-    return max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F)), launch.BV
+    return max(16, pow2_ceil(K)), max(16, pow2_ceil(F)), launch.BV
 
 
 # The sequential state passes of the additive rules split each sequence into segments of chunks
@@ -231,12 +246,12 @@ def chunked_state_segments(programs, T, chunk, split=True):
     sequences take (their lengths are not read back to the host) and a serving cache (read and
     written in place: the last segment's final state would overwrite the initial state another
     segment reads)."""
-    n = triton.cdiv(T, chunk)
+    n = ceil_div(T, chunk)
     G = 1
     if split and 2 * programs <= SEGMENT_SMS:
-        G = max(1, min(triton.cdiv(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
-    seg = triton.cdiv(n, G)
-    return triton.cdiv(n, seg), seg
+        G = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
+    seg = ceil_div(n, G)
+    return ceil_div(n, seg), seg
 
 
 def chunked_check_chunk(chunk):

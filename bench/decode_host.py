@@ -1,6 +1,6 @@
 """Host time of one decode call (Python: checks, planning, dispatch, allocation), without the kernel.
 
-    python bench/decode_host.py [--spec gated_deltanet] [--batch 1,64,256]
+    python bench/decode_host.py [--spec gated_deltanet] [--batch 1,64,256] [--keys 32768]
 
 Runs on the CPU: the token loop's launch is replaced by a no-op, so what is timed is everything
 a decode call does on the host before the launch (Triton's own launch cost comes on top on a GPU).
@@ -8,6 +8,8 @@ Three ways to decode one token of B sequences, H16 K=V=128 bf16 inputs:
 - state: the op with initial_state and output_final_state (the only way before the cache);
 - cache: the op on a StateCache with slot indices;
 - step: a decode step prepared once (op.prepare_decode).
+A softmax spec: one query per sequence against --keys keys and values, the op called with them (its
+forward and split-KV merge launches replaced by no-ops).
 """
 from __future__ import annotations
 
@@ -53,14 +55,27 @@ def per_call_us(fn, calls: int, repeats: int = 7) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--spec", default="gated_deltanet")
-    parser.add_argument("--batch", default="1,64,256")
+    parser.add_argument("--batch", default=None, help="default 1,64,256 (linear), 1 (softmax)")
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--keys", type=int, default=32768, help="softmax specs: keys per sequence")
     args = parser.parse_args()
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / f"{args.spec}.yaml")
+    if not op.spec.is_linear:
+        module = runtime.kernels_for(op)
+        module.softmax_fwd_kernel = module.softmax_combine_kernel = NoLaunch()
+        print(f"{args.spec}: host time per call (us) of one query against {args.keys} keys, H{H} K=V={K} bf16, "
+              "kernel launches not included")
+        print(f"{'B':>5} {'op':>8}")
+        for batch in map(int, (args.batch or "1").split(",")):
+            q = torch.randn(batch, 1, H, K, dtype=torch.bfloat16)
+            k, v = (torch.randn(batch, args.keys, H, K, dtype=torch.bfloat16) for _ in range(2))
+            with torch.no_grad():
+                print(f"{batch:>5} {per_call_us(lambda: op(q, k, v), args.calls):>8.1f}")
+        return
     runtime.kernels_for(op).recurrent_fwd_kernel = NoLaunch()
     print(f"{args.spec}: host time per decode call (us), H{H} K=V={K} bf16, kernel launch not included")
     print(f"{'B':>5} {'state':>8} {'cache':>8} {'step':>8}")
-    for batch in map(int, args.batch.split(",")):
+    for batch in map(int, (args.batch or "1,64,256").split(",")):
         x = random_inputs(op.spec, Shape(batch, 1, H, K, V), dtype=torch.bfloat16, initial_state=False)
         cache = attngen.StateCache(op, slots=batch, heads=H, head_dim=K, value_dim=V)
         slots = torch.arange(batch, dtype=torch.int32)

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (LOG2E, floor_log_decay, interpreted, packed_max_len, pow2_floor, softmax_lse_dtype)
+from attngen.kernel_lib import (LOG2E, ceil_div, floor_log_decay, interpreted, packed_max_len, pow2_ceil, pow2_floor,
+                                softmax_lse_dtype)
 
 SPEC_NAME = "forgetting_attention"
 SPEC_HASH = "782b1e2a242bbd2b"
@@ -292,8 +293,8 @@ def softmax_kv_split_len(Tk, splits, BN):
     """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
     if splits <= 1:
         return 1, Tk
-    split_len = triton.cdiv(triton.cdiv(Tk, splits), BN) * BN
-    return triton.cdiv(Tk, split_len), split_len
+    split_len = ceil_div(ceil_div(Tk, splits), BN) * BN
+    return ceil_div(Tk, split_len), split_len
 
 
 @triton.jit
@@ -341,9 +342,9 @@ def softmax_segment_cumsum(x, cu_seqlens, floor):
         cu_seqlens = torch.arange(0, B + 1, device=x.device, dtype=torch.int32) * T
     out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
     # one program per sequence and 4 heads walks its tokens in [BT, BH] tiles of 4096 elements
-    BH = min(4, triton.next_power_of_2(H))
+    BH = min(4, pow2_ceil(H))
     BT = min(1024, max(16, 4096 // BH))
-    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1, triton.cdiv(H, BH))](
+    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1, ceil_div(H, BH))](
         x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
     return out
 
@@ -383,7 +384,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     # Triton's interpreter (the CPU) multiplies bfloat16 tiles in tl.dot as raw integer bit
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
-    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    BK, BV = max(16, pow2_ceil(K)), max(16, pow2_ceil(V))
     BM, BN = launch.BM, launch.BN
     o = v.new_empty(B, Tq, H, V)
     lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
@@ -396,7 +397,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
-    n_blocks = triton.cdiv(max_len, BM)
+    n_blocks = ceil_div(max_len, BM)
     softmax_fwd_kernel[(n_blocks * N * H, splits)](
         q, k, v, g_hi, g_lo, o_run, lse_run, cu_seqlens, kv_slots, kv_lens,
         Tq, Tk, k.shape[0], Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
@@ -409,7 +410,7 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     if splits > 1:
         softmax_combine_kernel[(B * Tq * H,)](
             o_run, lse_run, o, lse, Tq, splits, H, V, B * Tq * H * V, B * H * Tq,
-            BS=max(2, triton.next_power_of_2(splits)), BV=BV, num_warps=4,
+            BS=max(2, pow2_ceil(splits)), BV=BV, num_warps=4,
         )
     return o, lse
 
@@ -485,9 +486,9 @@ def softmax_cached_fwd(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_slo
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     KC, VC = HK * K, HK * V
-    BKC, BVC = triton.next_power_of_2(KC), triton.next_power_of_2(VC)
+    BKC, BVC = pow2_ceil(KC), pow2_ceil(VC)
     GC = q.shape[2]
-    BGC = triton.next_power_of_2(GC)
+    BGC = pow2_ceil(GC)
     # the call's G from each sequence's first new token
     g_new_hi, g_new_lo = softmax_decay_pairs(g, cu_seqlens, q.dtype == torch.float64)
     # [BT, BKC] tiles of at most 8192 elements
@@ -842,13 +843,13 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     # the interpreter's bfloat16 tl.dot problem: see softmax_fwd
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     dot_precision = "ieee" if q.element_size() >= 4 or upcast_dot else "tf32"
-    BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+    BK, BV = max(16, pow2_ceil(K)), max(16, pow2_ceil(V))
 
     # 1. delta and lse2, [B, H, Tq] ([H, T] packed)
     delta = q.new_empty(lse.shape, dtype=acc)
     lse2 = q.new_empty(lse.shape, dtype=acc)
-    BT = min(128, max(16, triton.next_power_of_2(Tq)), max(16, pow2_floor(8192 // BV)))
-    softmax_bwd_preprocess_kernel[(B * H, triton.cdiv(Tq, BT))](
+    BT = min(128, max(16, pow2_ceil(Tq)), max(16, pow2_floor(8192 // BV)))
+    softmax_bwd_preprocess_kernel[(B * H, ceil_div(Tq, BT))](
         o, do, lse, dlse, delta, lse2, Tq, H, V, BT=BT, BV=BV, IS_FP64=is_fp64, HAS_DLSE=dlse is not None,
         num_warps=4)
 
@@ -857,9 +858,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     dq = q.new_empty(q.shape)
     # [B, Tq, H] row sums of dS: the bias's gradient at each query's key position
     dgq = q.new_empty((B, Tq, H), dtype=acc)
-    softmax_bwd_dq_kernel[(triton.cdiv(max_q, BM) * N * H,)](
+    softmax_bwd_dq_kernel[(ceil_div(max_q, BM) * N * H,)](
         q_in, k, v, g_hi, g_lo, do, lse2, delta, dq, dgq, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_q, BM),
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_q, BM),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=launch.dq_warps, num_stages=launch.dq_stages,
@@ -870,9 +871,9 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     # [B, Tk, H] minus the column sums of dS: the bias's gradient at each key
     dgk = q.new_empty((B, Tk, H), dtype=acc)
-    softmax_bwd_dkdv_kernel[(triton.cdiv(max_k, BN) * N * HK,)](
+    softmax_bwd_dkdv_kernel[(ceil_div(max_k, BN) * N * HK,)](
         q_in, k, v, g_hi, g_lo, do, lse2, delta, dk, dv, dgk, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, triton.cdiv(max_k, BN),
+        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_k, BN),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
         num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,

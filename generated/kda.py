@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
-                                chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
-                                floor_log_decay)
+from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
+                                chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
+                                chunked_qk_group, floor_log_decay, pow2_ceil)
 
 SPEC_NAME = "kda"
 SPEC_HASH = "782f2ff1584ebf0f"
@@ -134,15 +134,15 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     o, ht, cu_seqlens, state_indices, S, scale) launches recurrent_fwd_kernel and nothing else (a
     prepared decode step calls only run)."""
     VS = V
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
     # value lanes per program: the widest block (up to 64) that still gives some 1024 programs, so
     # that a few sequences (decode at batch 1: 16 heads) spread over the SMs in narrow blocks and
     # many fill them with wide ones (H200, bench/decode.py: batch 1 best at 8 lanes, 64 and 256 at
     # 64 lanes and 4 warps, 3.7 TB/s against 3.2 at 32); a warp per 16 lanes
-    BV = min(triton.next_power_of_2(V), 64)
-    while BV > 8 and N * H * triton.cdiv(V, BV) < 1024:
+    BV = min(pow2_ceil(V), 64)
+    while BV > 8 and N * H * ceil_div(V, BV) < 1024:
         BV //= 2
-    grid = (N * H, triton.cdiv(V, BV))
+    grid = (N * H, ceil_div(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
@@ -421,9 +421,9 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
-    NV, BTH = triton.cdiv(V, BV), B * T * H
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
+    BV = min(pow2_ceil(V), 32)
+    NV, BTH = ceil_div(V, BV), B * T * H
     f32 = dict(dtype=torch.float32, device=q.device)
     # fp32 partials per value block (see the header)
     dqf = torch.empty(NV, B, T, H, F, **f32)
@@ -1209,9 +1209,9 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, launch.states_BV))
+    grid = (N * H, ceil_div(V, launch.states_BV))
     # the delta rule's state pass in one segment (hooks.DeltaRule.segmented)
-    G, seg, he, hd, hez = 1, triton.cdiv(T, chunk), None, None, None
+    G, seg, he, hd, hez = 1, ceil_div(T, chunk), None, None, None
     args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
             T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
@@ -1238,7 +1238,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # the output pass reads the states and U only: the rest goes back before o is allocated
     st = st._replace(kr=None, gc=None, w=None, ai=None)
     o = torch.empty_like(v)
-    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+    chunked_output_kernel[(st.n_slots, ceil_div(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
@@ -2099,7 +2099,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, triton.cdiv(V, launch.bwd_states_BV))](
+    chunked_bwd_states_kernel[(N * H, ceil_div(V, launch.bwd_states_BV))](
         st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, None, None, cu_seqlens, st.chunk_offsets, T, 0, 0, H, V, V, F,
         HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, ENDS=False, SPLIT=False,
         **dict(meta, BV=launch.bwd_states_BV),

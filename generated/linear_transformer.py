@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk, chunked_decay_dtype,
-                                chunked_dot, chunked_dot_precision, chunked_pass_dtype, chunked_qk_group,
-                                chunked_state_segments)
+from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
+                                chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
+                                chunked_qk_group, chunked_state_segments, pow2_ceil)
 
 SPEC_NAME = "linear_transformer"
 SPEC_HASH = "5dc049b9e2f1b1bc"
@@ -135,19 +135,19 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     o, ht, cu_seqlens, state_indices, S, scale) launches recurrent_fwd_kernel and nothing else (a
     prepared decode step calls only run)."""
     VS = V + 1  # the normalizer column
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
     # value lanes per program: the widest block (up to 64) that still gives some 1024 programs, so
     # that a few sequences (decode at batch 1: 16 heads) spread over the SMs in narrow blocks and
     # many fill them with wide ones (H200, bench/decode.py: batch 1 best at 8 lanes, 64 and 256 at
     # 64 lanes and 4 warps, 3.7 TB/s against 3.2 at 32); a warp per 16 lanes
-    BV = min(triton.next_power_of_2(V), 64)
-    while BV > 8 and N * H * triton.cdiv(V, BV) < 1024:
+    BV = min(pow2_ceil(V), 64)
+    while BV > 8 and N * H * ceil_div(V, BV) < 1024:
         BV //= 2
     if indexed:
         # in place, every value block's program reads the normalizer column z and the first writes
         # it back: one block spans V, so no program reads a z that another has already written
-        BV = triton.next_power_of_2(V)
-    grid = (N * H, triton.cdiv(V, BV))
+        BV = pow2_ceil(V)
+    grid = (N * H, ceil_div(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
@@ -389,9 +389,9 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
-    NV, BTH = triton.cdiv(V, BV), B * T * H
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
+    BV = min(pow2_ceil(V), 32)
+    NV, BTH = ceil_div(V, BV), B * T * H
     f32 = dict(dtype=torch.float32, device=q.device)
     # fp32 partials per value block (see the header)
     dqf = torch.empty(NV, B, T, H, F, **f32)
@@ -793,7 +793,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         ht = initial_state
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, launch.states_BV))
+    grid = (N * H, ceil_div(V, launch.states_BV))
     # the pass by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments):
     # their end states E and normalizer columns
     G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None and not indexed)
@@ -826,7 +826,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # the output pass reads the states only: the rest goes back before o is allocated
     st = st._replace(kr=None, gc=None)
     o = torch.empty_like(v)
-    chunked_output_kernel[(st.n_slots, triton.cdiv(V, BV) * H)](
+    chunked_output_kernel[(st.n_slots, ceil_div(V, BV) * H)](
         q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
@@ -1261,9 +1261,9 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # with bf16, 64 none; bench/compile_time.py)
     norm = torch.empty(B, T, H, **f32)
     OBV = min(launch.output_BV, 64)
-    c_part = torch.empty(triton.cdiv(V, OBV), B, T, H, **f32)
+    c_part = torch.empty(ceil_div(V, OBV), B, T, H, **f32)
     do_n = torch.empty(B, T, H, V, **tiles)
-    chunked_output_kernel[(st.n_slots, triton.cdiv(V, OBV) * H)](
+    chunked_output_kernel[(st.n_slots, ceil_div(V, OBV) * H)](
         q, k, v, g, omega, None, st.h, st.hz, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
         T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
@@ -1292,7 +1292,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
     # by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments): their
     # start states' gradients E and normalizer columns
-    grid = (N * H, triton.cdiv(V, launch.bwd_states_BV))
+    grid = (N * H, ceil_div(V, launch.bwd_states_BV))
     G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = None

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t)
+from attngen.kernel_lib import (ceil_div, favor_exponent_row, favor_exponent_tile, favor_exponent_tile_t, pow2_ceil)
 
 SPEC_NAME = "performer_bidirectional"
 SPEC_HASH = "0370031a32b3922a"
@@ -133,19 +133,19 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
     o, ht, cu_seqlens, state_indices, S, scale) launches recurrent_fwd_kernel and nothing else (a
     prepared decode step calls only run)."""
     VS = V + 1  # the normalizer column
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
     # value lanes per program: the widest block (up to 64) that still gives some 1024 programs, so
     # that a few sequences (decode at batch 1: 16 heads) spread over the SMs in narrow blocks and
     # many fill them with wide ones (H200, bench/decode.py: batch 1 best at 8 lanes, 64 and 256 at
     # 64 lanes and 4 warps, 3.7 TB/s against 3.2 at 32); a warp per 16 lanes
-    BV = min(triton.next_power_of_2(V), 64)
-    while BV > 8 and N * H * triton.cdiv(V, BV) < 1024:
+    BV = min(pow2_ceil(V), 64)
+    while BV > 8 and N * H * ceil_div(V, BV) < 1024:
         BV //= 2
     if indexed:
         # in place, every value block's program reads the normalizer column z and the first writes
         # it back: one block spans V, so no program reads a z that another has already written
-        BV = triton.next_power_of_2(V)
-    grid = (N * H, triton.cdiv(V, BV))
+        BV = pow2_ceil(V)
+    grid = (N * H, ceil_div(V, BV))
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
@@ -405,9 +405,9 @@ def recurrent_bwd_launch(q, k, v, g, beta, omega, initial_state, cu_seqlens, sca
     F = omega.shape[0] if omega is not None else K
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    BK, BF = triton.next_power_of_2(K), triton.next_power_of_2(F)
-    BV = min(triton.next_power_of_2(V), 32)
-    NV, BTH = triton.cdiv(V, BV), B * T * H
+    BK, BF = pow2_ceil(K), pow2_ceil(F)
+    BV = min(pow2_ceil(V), 32)
+    NV, BTH = ceil_div(V, BV), B * T * H
     f32 = dict(dtype=torch.float32, device=q.device)
     # fp32 partials per value block (see the header)
     dqf = torch.empty(NV, B, T, H, F, **f32)
@@ -553,13 +553,13 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     VS = V + 1  # the normalizer column
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     # tl.dot needs every block dim >= 16
-    BK, BF = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(F))
-    BV = min(max(16, triton.next_power_of_2(V)), 64 if BF <= 64 else 32)
+    BK, BF = max(16, pow2_ceil(K)), max(16, pow2_ceil(F))
+    BV = min(max(16, pow2_ceil(V)), 64 if BF <= 64 else 32)
     # token tiles [BT, BK] of at most 16 KiB in float32 (H200, K = 256 and FAVOR+: shared memory)
     BT = min(64 if BF <= 64 else 32, max(16, 4096 // BK))
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, triton.cdiv(V, BV))
+    grid = (N * H, ceil_div(V, BV))
     bidirectional_fwd_kernel[grid](
         q, k, v, omega, initial_state, o, ht, cu_seqlens,
         T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,

@@ -73,6 +73,24 @@ def test_kernel_lib_exports_its_public_definitions():
     assert sorted(kernel_lib.__all__) == sorted(n for n in defined if not n.startswith("_"))
 
 
+def test_host_integer_helpers_match_triton():
+    """kernel_lib's ceil_div and pow2_ceil, which the launchers call in place of Triton's ConstexprFunctions
+    (microseconds a call on the host), give Triton's integers."""
+    import triton
+
+    from attngen.kernel_lib import ceil_div, pow2_ceil
+    assert all(pow2_ceil(n) == triton.next_power_of_2(n) for n in range(1, 5000))
+    assert all(ceil_div(a, b) == triton.cdiv(a, b) for a in range(0, 600) for b in range(1, 70))
+    assert pow2_ceil(0) == 1 and pow2_ceil(1 << 40) == 1 << 40 and pow2_ceil((1 << 40) + 1) == 1 << 41
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "generated").glob("*.py")), ids=lambda p: p.stem)
+def test_launchers_call_no_triton_constexpr_function(path):
+    """The generated host code does its grid arithmetic in plain Python (kernel_lib.ceil_div, pow2_ceil)."""
+    source = path.read_text()
+    assert "triton.cdiv(" not in source and "triton.next_power_of_2(" not in source
+
+
 def test_kernel_lib_calls_reads_code_not_comments_or_strings():
     source = ("x = chunked_cast(y)  # chunked_dot\ns = 'floor_log_decay' + \"it's # pow2_floor\"\n"
               '"""interpreted\n"""\nLOG2E * pow2_floorx\n')
