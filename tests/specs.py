@@ -66,6 +66,10 @@ CAUSAL_LINEAR: dict[str, dict] = {
     "gla_sum": _linear("gla_sum", feature_map="relu", decay="vector", normalize="sum"),
     "delta_favor": _linear("delta_favor", feature_map="favor_plus", update="delta", decay="scalar",
                            favor_plus=FAVOR_16),
+    # FAVOR+ without the normalizer (step 2 reads its own stored query features back, past a barrier) and
+    # with the l2 norm (dq and dk project again: the norm's gradient takes the features before it)
+    "favor_plain": _linear("favor_plain", feature_map="favor_plus", favor_plus=FAVOR_16),
+    "favor_l2": _linear("favor_l2", feature_map="favor_plus", qk_norm="l2", normalize="sum", favor_plus=FAVOR_16),
     # a constant decay with the delta rule (no chunked backward kernel: the PyTorch form's) and
     # with the normalizer
     "delta_constant": _linear("delta_constant", qk_norm="l2", update="delta", decay="constant"),
@@ -78,9 +82,9 @@ RUNS: dict[str, tuple[str, ...]] = {
     "recurrent_bwd": ("linear_transformer", "performer", "deltanet", "gated_deltanet", "mamba2", "retnet", "gla",
                       "kda", "expr_l2_sum"),
     "chunked": ("linear_transformer", "performer", "deltanet", "gated_deltanet", "mamba2", "retnet", "gla", "kda",
-                "expr_map"),
+                "expr_map", "favor_plain"),
     "chunked_bwd": ("identity", "linear_transformer", "performer", "mamba2", "retnet", "gla", "expr_map", "gla_sum",
-                    "deltanet", "gated_deltanet", "kda", "delta_favor"),
+                    "deltanet", "gated_deltanet", "kda", "delta_favor", "favor_plain", "favor_l2"),
 }
 
 
