@@ -891,10 +891,13 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")))
     decayed = spec.decay != "none"
+    # without the l2 norm (whose gradient takes the features before it) step 4 reads the stored features too
+    step4 = " (the features as stored: only the feature map's gradient projects)" \
+        if stored and spec.qk_norm == "none" else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
-                  + (", the decay gradient's query terms" if decayed else "")),
+                  + (", the decay gradient's query terms" if decayed else "") + step4),
                  ("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
-                  + (", the decay gradient" if decayed else "")))
+                  + (", the decay gradient" if decayed else "") + step4))
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
                       "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)
