@@ -782,6 +782,7 @@ class KernelSpec:
                                         # from templates/chunked_bwd/<step>.py.jinja (the forward's it recomputes apart)
     stored_features: bool           # the output passes and the backward's step 2 read stored features of the keys
                                     # (kr) and queries (qg) rather than projecting k and q again (stored_features)
+    stored_grad_features: bool      # the backward's dq and dk steps read them too (stored_grad_features)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
 
@@ -820,6 +821,12 @@ def stored_features(spec: Spec) -> bool:
     return spec.is_linear and spec.feature_map == "favor_plus" and spec.decay == "none" and spec.update == "additive"
 
 
+def stored_grad_features(spec: Spec) -> bool:
+    """Whether the backward's dq and dk steps read the stored features as well (stored_features), projecting
+    only for the feature map's gradient: not with the l2 norm, whose gradient takes the features before it."""
+    return stored_features(spec) and spec.qk_norm == "none"
+
+
 def kernel_spec(spec: Spec) -> KernelSpec:
     from . import algebra  # sympy only when generating code
 
@@ -841,6 +848,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
+        stored_grad_features=stored_grad_features(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
@@ -891,9 +899,7 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")))
     decayed = spec.decay != "none"
-    # without the l2 norm (whose gradient takes the features before it) step 4 reads the stored features too
-    step4 = " (the features as stored: only the feature map's gradient projects)" \
-        if stored and spec.qk_norm == "none" else ""
+    step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
                   + (", the decay gradient's query terms" if decayed else "") + step4),
                  ("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
