@@ -783,6 +783,8 @@ class KernelSpec:
     stored_features: bool           # the output passes and the backward's step 2 read stored features of the keys
                                     # (kr) and queries (qg) rather than projecting k and q again (stored_features)
     stored_grad_features: bool      # the backward's dq and dk steps read them too (stored_grad_features)
+    keys_in_passes: bool            # the additive rule's state passes read each chunk's keys from k, raw, the decay on
+                                    # their dots' other side: no keys step (keys_in_passes)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
 
@@ -821,6 +823,25 @@ def stored_features(spec: Spec) -> bool:
     return spec.is_linear and spec.feature_map == "favor_plus" and spec.decay == "none" and spec.update == "additive"
 
 
+def keys_in_passes(spec: Spec) -> bool:
+    """Whether the additive rule's sequential passes (the forward's chunk-start states, the backward's
+    recomputed ones and its state gradient) read each chunk's keys from k, raw, rather than the keys
+    step's stored K ⊙ Γ_C/Γ (chunked_keys_kernel, then not launched): the keys as loaded are the dots'
+    operand (Triton stages the load in shared memory for the dot and prefetches it with the loop's
+    other tiles, as it did the stored keys), the chunk's decays are computed in the loop from g and
+    Γ_C/Γ scales the dot's other side (the forward's values, the rows of the backward's K dS). The same
+    bytes per chunk; the keys step's read of k, write of the keys and launch are gone from the forward
+    and from the backward's recomputation. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
+    2026-12-03, fourth run): mamba2 fwd 0.521 -> 0.429 ms, fwd+bwd 2.386 -> 2.273; retnet 0.511 -> 0.415,
+    2.322 -> 2.110. Only raw keys: no feature map, l2 norm or normalizer. Featurized keys go through
+    registers before the dot, unstaged: linear_transformer (elu+1, the sum normalizer) measured 0.661
+    -> 0.830 ms forward, 3.614 -> 4.463 fwd+bwd with them in its loops. Nor FAVOR+ (its stored features
+    serve the output passes too, stored_features) or vector decay (its decays a [BT, F] tile)."""
+    return (spec.is_linear and spec.mask != "bidirectional" and spec.update == "additive"
+            and spec.decay in ("none", "scalar", "constant") and spec.feature_map == "identity"
+            and spec.qk_norm == "none" and spec.normalize == "none")
+
+
 def stored_grad_features(spec: Spec) -> bool:
     """Whether the backward's dq and dk steps read the stored features as well (stored_features), projecting
     only for the feature map's gradient: not with the l2 norm, whose gradient takes the features before it."""
@@ -848,7 +869,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
-        stored_grad_features=stored_grad_features(spec),
+        stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
@@ -876,9 +897,11 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
          "keys too where the launch's wu_warps is 0"
     wu = "chunk-parallel, where the launch's wu_warps > 0{}: W, U0, the decayed keys from the stored (I + A)^-1, at those warps"
     keys = (("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"),)
-    prepare = (("chunked_ut_kernel", ut), ("chunked_wu_kernel", wu.format(""))) if delta else keys
+    in_passes = keys_in_passes(spec)
+    prepare = (("chunked_ut_kernel", ut), ("chunked_wu_kernel", wu.format(""))) if delta else () if in_passes else keys
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
-              + (", the written values U = U0 - W S" if delta else ""))
+              + (", the written values U = U0 - W S" if delta else "")
+              + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else ""))
     stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
     forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored))
     if delta and spec.decay == "constant":
@@ -897,7 +920,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                   + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
                                                          if stored else "")),
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
-                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")))
+                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")
+                  + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "")))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
@@ -940,7 +964,7 @@ MEMORY = {
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
-              "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, "
+              "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, none where the state passes read k: keys_in_passes; "
               "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
               "and the UT transform's (I + A)^-1, T x C, bf16 for bf16 inputs, else float32); the recurrent backward keeps per-token "
               "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "

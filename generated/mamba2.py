@@ -428,8 +428,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # ---------------------------------------------------------------------------- chunked form
 # Intra-chunk parallel, inter-chunk state passing (forms.py has the chunk equations), in three
 # passes over chunks of BT tokens:
-#   1. chunked_keys_kernel, chunk-parallel (per chunk slot and head): the keys of the state update,
-#      K ⊙ Γ_C/Γ, and Γ_C (the feature map applied): the additive rule's chunk-local work
+#   1. no chunk-parallel prepare step: the state pass reads each chunk's keys and decays in its loop
 #   2. chunked_states_kernel, sequential (per value block and sequence x head, the state
 #      block [BF, BV] in registers): stores each chunk's start state S_c
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U (U = V); only matrix products run in this loop
@@ -437,75 +436,21 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
 #      O = (Q ⊙ Γ) S_c + P U
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
-# padded tokens give zero features); the state pass reads the keys chunked_keys_kernel stored.
+# padded tokens give zero features).
 # G [BT] is the cumulative log decay inside the chunk, in G_DTYPE (float64, float32 for 16-bit
 # inputs: chunked_decay_dtype): only exp of differences
 # G_t - G_s (s <= t), G_C - G_t and of G_t itself are taken, masked before the exp.
 # Memory: the chunk-start states [chunk slots, H, F, V] (chunked_states_dtype),
-# K ⊙ Γ_C/Γ [B, T, H, F], Γ_C [chunk slots, H] float32 (bf16 for bf16 inputs, else float32: chunked_pass_dtype)
 # live only during the call: O(T F V / BT) per head.
-# The keys of the state update are stored by the chunk-parallel pass rather than featurized and
-# decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
-# write of T F per head in the chunk-parallel pass, and the sequential loop left with one dot, no
-# l2 norm, feature map or cumsum of log decays on its critical path.
+# The keys of the state update are read from k in the state pass's loop (planner.keys_in_passes), raw, as
+# the dot's operand, the chunk's decays computed there and Γ_C/Γ applied to the values: the same bytes as
+# stored keys, and no chunk-parallel pass reads k and writes them.
 # Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
 # a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
 # inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk. H is the value (state) heads: v,
 # g, beta, o and every per-token buffer have H; q and k have H // QK_GROUP (grouped value heads), read
 # at the rows qk_rows(o_tok), each key featurized by every value head that reads it.
-
-@triton.jit
-def chunked_keys_kernel(
-    # pointers
-    k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, H: tl.constexpr, K: tl.constexpr, F: tl.constexpr,
-    x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, IS_VARLEN: tl.constexpr, QK_GROUP: tl.constexpr,
-    G_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
-    # (feature map, ⊙ Γ_C/Γ) and Γ_C, so the sequential pass only multiplies
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
-    if IS_VARLEN:
-        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
-        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        i_n = i_s // tl.cdiv(T, BT)
-        i_c = i_s % tl.cdiv(T, BT)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    m_k, m_f = o_k < K, o_f < F
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tf = m_t[:, None] & m_f[None, :]
-    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
-    b_G = tl.cumsum(b_g, 0)
-    b_GC = tl.sum(b_g, 0)
-    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-
-    # [BT, BK] -> [BT, BF]
-    b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C (slot i_s)
-    tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest[:, None]).to(kr.dtype.element_ty), mask=m_tf)
-    tl.store(gc + i_s.to(tl.int64) * H + i_h, b_gam_C)
-
 
 @triton.jit
 def chunked_states_kernel(
@@ -518,9 +463,10 @@ def chunked_states_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr, ENDS: tl.constexpr, SPLIT: tl.constexpr,
+    QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
-    # one program per (value block, sequence x head): the sequential pass over the chunks, from
-    # chunked_keys_kernel's K ⊙ Γ_C/Γ and Γ_C
+    # one program per (value block, sequence x head): the sequential pass over the chunks, each chunk's
+    # keys from k, its decays from g, in the loop (planner.keys_in_passes)
     # and segment (axis 2): the chunks [c0, c1) of SEG, kernel_lib.chunked_state_segments. ENDS: the first of two
     # launches, each segment's end state from zeros (E into he [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into hd [N, NE, H, F]); the second starts
     # a segment from the initial state and the segments before it (S <- D S + E) and stores its states
@@ -580,14 +526,20 @@ def chunked_states_kernel(
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        # [BF, BT] K ⊙ Γ_C/Γ, transposed by the load: a dot operand as stored (the load feeds the dot
-        # with no conversion)
-        b_kt_rest = tl.load(kr + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
+        # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
+        b_G = tl.cumsum(b_g, 0)
+        b_GC = tl.sum(b_g, 0)
+        # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+        b_gam = tl.exp(b_G.to(tl.float32))
+        b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+        b_gam_C = tl.exp(b_GC.to(tl.float32))
+        # [BK, BT] the keys, transposed by the load
+        b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         # [BT, BV] the additive rule writes the values
         b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
-        b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C)
+        # S <- Γ_C S + K^T (diag(Γ_C/Γ) U)
+        b_h = chunked_dot(b_kt, b_u * b_gam_rest[:, None], DOT_PRECISION, b_h * b_gam_C)
         if ENDS:
             b_dseg = b_dseg * b_gam_C
 
@@ -729,7 +681,7 @@ class ChunkedStates(NamedTuple):
     h: torch.Tensor                         # [slots, H, F, V] the chunk-start states (h_dtype: float32 unless the forward's chunked_states_dtype)
     hz: Optional[torch.Tensor]              # [slots, H, F] float32: their normalizer column z_c (normalize sum)
     ht: Optional[torch.Tensor]              # [N, H, F, VS] float32: the final state, when asked for
-    kr: torch.Tensor                        # [B, T, H, F]: the keys of the state update, K ⊙ Γ_C/Γ
+    kr: Optional[torch.Tensor]              # None: the state passes read the keys themselves (planner.keys_in_passes)
     gc: Optional[torch.Tensor]              # [slots, H] float32: Γ_C, the decay over each chunk
     w: Optional[torch.Tensor]               # [B, T, H, F]: the delta rule's W = (I + A)^-1 diag(β) (K ⊙ Γ)
     u: Optional[torch.Tensor]               # [B, T, H, V]: the values the delta rule writes, U = U0 - W S_c
@@ -741,9 +693,10 @@ class ChunkedStates(NamedTuple):
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
                    state_indices=None, h_dtype=torch.float32, ai=None):
-    """The keys (chunked_keys_kernel) and the sequential pass -> ChunkedStates.
+    """The sequential pass, which reads each chunk's keys and decays itself (no keys step: kr and gc
+    are None) -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
-    the prepare and state steps' warps and value blocks); kr is in chunked_pass_dtype.
+    the state step's warps and value blocks).
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
@@ -754,16 +707,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     chunk_offsets, chunk_seq, n_slots = chunk_slots(cu_seqlens, B, T, chunk)
     f32 = dict(device=q.device, dtype=torch.float32)
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
-    ai = w = u = None
-    # the keys K ⊙ Γ_C/Γ; Γ_C per chunk slot
-    kr = torch.empty(B, T, H, F, device=q.device, dtype=chunked_pass_dtype(q.dtype))
-    gc = torch.empty(n_slots, H, **f32)
-    chunked_keys_kernel[(n_slots, H)](
-        k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
-        G_DTYPE=chunked_decay_dtype(q.dtype), DOT_PRECISION=chunked_dot_precision(q.dtype),
-        num_warps=launch.prepare_warps, maxnreg=launch.maxnreg,
-    )
+    # no keys step: the state pass reads each chunk's keys and decays in its loop (planner.keys_in_passes)
+    ai = w = u = kr = gc = None
     h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
     hz = None
     indexed = state_indices is not None
@@ -781,7 +726,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
             T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
-                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages)
+                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages,
+                QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype))
     if G > 1:
         # each segment's end state E and decay D, then the states from them
         chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
@@ -929,16 +875,17 @@ def chunked_bwd_du_local_kernel(
 @triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, kr, qg, gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
+    w, k, qg, g, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
     # dims
-    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr,
+    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
     # meta
-    BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, G_DTYPE: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU and dv
+    # chunks; the loop reads each chunk's keys from k, its decays from g, (planner.keys_in_passes), loads
+    # stored tiles and multiplies. V columns of the state gradient, dO, dU and dv
     # And segment (axis 2), walked back over its chunks [c0, c1) of SEG (kernel_lib.chunked_state_segments).
     # ENDS: the first of two launches, each segment's gradient of its start state from zeros (E into dse
     # [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into
@@ -968,6 +915,8 @@ def chunked_bwd_states_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_f, m_v = o_f < F, o_v < V
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
     # [BF, BV] the state gradient block, from the final state's gradient
     o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
     m_state = m_f[:, None] & m_v[None, :]
@@ -993,9 +942,17 @@ def chunked_bwd_states_kernel(
         m_t = o_t < T_seq
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
-        # [BT, BF] the decayed keys; [BF, BT] the queries of the state gradient, transposed by the
-        # load: dot operands as stored
-        b_kr = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)
+        # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
+        b_G = tl.cumsum(b_g, 0)
+        b_GC = tl.sum(b_g, 0)
+        # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+        b_gam = tl.exp(b_G.to(tl.float32))
+        b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+        b_gam_C = tl.exp(b_GC.to(tl.float32))
+        # [BT, BK] the keys
+        b_kr = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        # [BF, BT] the queries of the state gradient, transposed by the load: dot operands as stored
         b_qgt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
 
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
@@ -1003,10 +960,10 @@ def chunked_bwd_states_kernel(
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         if not ENDS:
             b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
+            # (K ⊙ Γ_C/Γ) dS = diag(Γ_C/Γ) (K dS)
+            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION) * b_gam_rest[:, None]
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
-        b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C)
         if ENDS:
             b_dseg = b_dseg * b_gam_C
@@ -1232,7 +1189,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     B, T, H, K, V, F, _ = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
-    # step 1: the forward's keys and sequential pass: h_c, the decayed keys, Γ_C
+    # step 1: the forward's sequential pass: h_c
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
                         output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype))
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -1264,10 +1221,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
-    args = (None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets,
-            T, seg, G - 1, H, V, V, F)
+    # (each chunk's keys from k and g in its loop: planner.keys_in_passes)
+    args = (None, k, qg, g, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets,
+            T, seg, G - 1, H, V, V, F, K)
     kw = dict(meta, HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
-              BV=launch.bwd_states_BV, SPLIT=G > 1)
+              BV=launch.bwd_states_BV, SPLIT=G > 1, BK=BK, G_DTYPE=chunked_decay_dtype(q.dtype))
     if G > 1:
         chunked_bwd_states_kernel[grid + (G - 1,)](*args, ENDS=True, **kw)
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
