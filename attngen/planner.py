@@ -833,7 +833,8 @@ def keys_in_passes(spec: Spec) -> bool:
     bytes per chunk; the keys step's read of k, write of the keys and launch are gone from the forward
     and from the backward's recomputation. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
     2026-12-03, fourth run): mamba2 fwd 0.521 -> 0.429 ms, fwd+bwd 2.386 -> 2.273; retnet 0.511 -> 0.415,
-    2.322 -> 2.110. Only raw keys: no feature map, l2 norm or normalizer. Featurized keys go through
+    2.322 -> 2.110; the state-gradient pass loads a scalar decay's next chunk of g an iteration ahead (a
+    narrow load the software pipeline left in place): mamba2's pass 520 -> 445 us, fwd+bwd 2.181. Only raw keys: no feature map, l2 norm or normalizer. Featurized keys go through
     registers before the dot, unstaged: linear_transformer (elu+1, the sum normalizer) measured 0.661
     -> 0.830 ms forward, 3.614 -> 4.463 fwd+bwd with them in its loops. Nor FAVOR+ (its stored features
     serve the output passes too, stored_features) or vector decay (its decays a [BT, F] tile)."""

@@ -931,8 +931,16 @@ def chunked_bwd_states_kernel(
             b_dh = b_dh * b_dj[:, None] + tl.load(dse + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_state, other=0.0)
     b_dseg = tl.full([BF], 1.0, tl.float32)
 
+    # the log decays of the loop's first chunk; each iteration loads the next chunk's before its own work
+    # (a narrow load that Triton's software pipeline leaves in place: the decays, and the loop, waited on
+    # it; mamba2 B4 T8192 H16 K = V = 128 bf16 on the H200, this pass 520 -> 445 us)
+    o_tg = (c1 - 1) * BT + o_i
+    b_g_next = tl.load(g + (bos + o_tg) * H + i_h, mask=(o_tg >= c0 * BT) & (o_tg < T_seq), other=0.0)
     for i_r in range(0, c1 - c0):
         i_c = c1 - 1 - i_r
+        b_g_this = b_g_next
+        o_tg = (i_c - 1) * BT + o_i
+        b_g_next = tl.load(g + (bos + o_tg) * H + i_h, mask=o_tg >= c0 * BT, other=0.0)
         if not ENDS:
             # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
@@ -943,7 +951,7 @@ def chunked_bwd_states_kernel(
         o_tok = (bos + o_t) * H + i_h
         m_tv = m_t[:, None] & m_v[None, :]
         # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-        b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
+        b_g = floor_log_decay(b_g_this.to(G_DTYPE))
         b_G = tl.cumsum(b_g, 0)
         b_GC = tl.sum(b_g, 0)
         # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
