@@ -540,6 +540,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if spec.update != "delta":
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
         launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2, bwd_wy_BV=launch.BV)
+    if keys_in_passes(spec):
+        # no prepare step (keys_in_passes): its warps move no kernel, and a search does not try them
+        launch = dataclasses.replace(launch, prepare_warps=4)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(launch.states_BV, V),
         output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_dq_BV=min(launch.bwd_dq_BV, V),
