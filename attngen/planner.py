@@ -837,8 +837,9 @@ def keys_in_passes(spec: Spec) -> bool:
     and from the backward's recomputation. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
     2026-12-03, fourth run): mamba2 fwd 0.521 -> 0.429 ms, fwd+bwd 2.386 -> 2.273; retnet 0.511 -> 0.415,
     2.322 -> 2.110; the state-gradient pass loads a scalar decay's next chunk of g an iteration ahead (a
-    narrow load the software pipeline left in place): mamba2's pass 520 -> 445 us, fwd+bwd 2.181. Only raw keys: no feature map, l2 norm or normalizer. Featurized keys go through
-    registers before the dot, unstaged: linear_transformer (elu+1, the sum normalizer) measured 0.661
+    narrow load the software pipeline left in place): mamba2's pass 520 -> 445 us, fwd+bwd 2.181. Only
+    raw keys: no feature map, l2 norm or normalizer. Featurized keys go through registers before the
+    dot, unstaged: linear_transformer (elu+1, the sum normalizer) measured 0.661
     -> 0.830 ms forward, 3.614 -> 4.463 fwd+bwd with them in its loops. Nor FAVOR+ (its stored features
     serve the output passes too, stored_features) or vector decay (its decays a [BT, F] tile)."""
     return (spec.is_linear and spec.mask != "bidirectional" and spec.update == "additive"
@@ -924,7 +925,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                   + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
                                                          if stored else "")),
                  ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
-                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS") + (", the normalizer column's dz" if norm else "")
+                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")
+                  + (", the normalizer column's dz" if norm else "")
                   + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "")))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
@@ -968,8 +970,9 @@ MEMORY = {
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
-              "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, none where the state passes read k: keys_in_passes; "
-              "bf16 for bf16 inputs, else float32; with the delta rule also W and the written values, T x (F + V), "
+              "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, "
+              "none where the state passes read k: keys_in_passes; bf16 for bf16 inputs, else float32; "
+              "with the delta rule also W and the written values, T x (F + V), "
               "and the UT transform's (I + A)^-1, T x C, bf16 for bf16 inputs, else float32); the recurrent backward keeps per-token "
               "partials, O(T (K + V)) per head times the value blocks; the chunked backward recomputes the "
               "chunk-start states at the launch's backward chunk C' (bwd_chunk; T/C' x F x V per head: bf16 for "
