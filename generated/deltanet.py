@@ -1107,13 +1107,13 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      state's gradient, per chunk slot) and dU += K̂ dS, then dS <- dS + Q̂^T dO - W^T dU;
 #      after chunk 0, dS is the initial state's gradient. Three dots per chunk: the critical path is
 #      K̂ dS -> dU -> W^T dU.
-#   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
-#      dP; -> dq̂; the chain rule through
+#   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      dP and dW = -dU h_c^T (stored for step 5); -> dq̂; the chain rule through
 #      scale, the l2 norm and the feature map -> dq.
 #   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T; -> dk̂' of P,
 #      dk̂".
 #   5. chunked_bwd_wy_kernel, chunk-parallel per (chunk slot, head): the UT transform's backward,
-#      by value blocks dX = T^T dU (-> dv), dW = -dU h_c^T and dT, then dY, dA -> dβ, dk̂r, dk̂' of
+#      by value blocks dX = T^T dU (-> dv) and dT, then with 4a's dW: dY, dA -> dβ, dk̂r, dk̂' of
 #      A; with step 4's dk̂, the chain rule -> dk.
 # dP^T is a dot of its own (U dO^T), dA^T is dA stored to a scratch slot of the program and loaded
 # transposed past a barrier, and T^T, h_c, dS, U, dO, dU, K̂ are loaded in the layouts the dots take:
@@ -1128,7 +1128,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # [chunk slots, H, F, V] (chunked_bwd_states_dtype), (I + A)^-1 [B, T, H, chunk], W, K̂ ⊙ Γ_C/Γ [B, T, H, F]
 # and U [B, T, H, V] (chunked_pass_dtype); the state
 # gradient per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); dU [B, T, H, V] and Q̂ [B, T, H, F]
-# (chunked_pass_dtype: they only enter dots); step 5's dA [chunk slots, H, chunk, chunk] float32; step 4's dk̂ [B, T, H, F] float32.
+# (chunked_pass_dtype: they only enter dots), and step 4a's dW [B, T, H, F] (the same); step 5's dA [chunk slots, H, chunk, chunk] float32; step 4's dk̂ [B, T, H, F] float32.
 # The forward saves its inputs and, where the backward's chunk divides its own and the call is
 # differentiated, its rows of (I + A)^-1 [B, T, H, its chunk] (chunked_keeps_inverse: the op's `saved`).
 CHUNKED_BACKWARD = ("chunked",)
@@ -1270,7 +1270,7 @@ def chunked_bwd_states_kernel(
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, u, h, dq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, h, du, dw, dq, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1279,7 +1279,8 @@ def chunked_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
-    # output, dO h_c^T and dP = dO U^T -> dq
+    # output, dO h_c^T and dP = dO U^T -> dq; and
+    # dW = -dU h_c^T, the UT transform's gradient of W, for step 5
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1309,10 +1310,11 @@ def chunked_bwd_dq_kernel(
     m_tf = m_t[:, None] & m_f[None, :]
 
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it)
+    # after this loop, which does not read them: they would hold registers through it); [BT, BF] dU h_c^T
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_duh = tl.zeros([BT, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1322,6 +1324,11 @@ def chunked_bwd_dq_kernel(
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        # [BT, BV] dU, as step 3 completed it
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_duh = chunked_dot(b_du, b_hct, DOT_PRECISION, b_duh)
+    # [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)
+    tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), mask=m_t[:, None] & m_f[None, :])
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1421,7 +1428,7 @@ def chunked_bwd_dk_kernel(
 @triton.jit
 def chunked_bwd_wy_kernel(
     # pointers
-    k, v, g, beta, omega, ai, du, h, dk_part, dg_part, da, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    k, v, g, beta, omega, ai, du, dw, dk_part, dg_part, da, dk, dv, dbeta, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     x_scale, f_scale,
@@ -1430,7 +1437,7 @@ def chunked_bwd_wy_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, AI_W: tl.constexpr,
 ):
     # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
-    # dW = -dU h_c^T -> dv, dβ, dk
+    # dW = -dU h_c^T (step 4a's) -> dv, dβ, dk
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1465,26 +1472,24 @@ def chunked_bwd_wy_kernel(
     b_Tt = tl.load(ai + o_tok[None, :] * AI_W + (i_c * BT) % AI_W + o_i[:, None], mask=m_t[None, :], other=0.0)
 
     # by value blocks (the keys and decays are loaded after this loop, which does not read them):
-    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T; [BT, BF] dW = -dU h_c^T
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    # dX = T^T dU (-> dv, dβ's X term); [BT, BT] the X terms of dT = dU X^T + dW Y^T
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BF], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
         m_vt = m_v[:, None] & m_t[None, :]
-        # [BT, BV] dU and the values, [BV, BT] the values and [BV, BF] h_c transposed by the load
+        # [BT, BV] dU and the values, [BV, BT] the values transposed by the load
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
-        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
         tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dx * b_v, 1)
         b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
-        b_dw = chunked_dot(-b_du, b_hct, DOT_PRECISION, b_dw)
+    # [BT, BF] dW, as step 4a stored it
+    b_dw = tl.load(dw + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
     # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
@@ -1589,8 +1594,10 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(w=None, kr=None, gc=None)
     # step 4a: dq; 4b: step 4's dk̂
     dq = torch.empty_like(q)
+    # and the UT transform's dW = -dU h_c^T for step 5
+    dw = torch.empty(B, T, H, F, **tiles)
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, st.u, st.h, dq, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
+        q, k, g, omega, do, st.u, st.h, du, dw, dq, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     dk_part = torch.empty(B, T, H, F, **f32)
@@ -1599,16 +1606,16 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, g, omega, do, st.u, st.h, ds, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
-    # nor dS and U past step 4
+    # nor dS, U and h_c past step 4
     del ds
-    st = st._replace(u=None)
+    st = st._replace(u=None, h=None)
     # step 5: the UT transform's backward -> dk, dv, dβ, at warps of its own (launch.bwd_wy_warps)
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = None
     # a [BT, BT] float32 slot per program, where it transposes dA
     da = torch.empty(st.n_slots, H, chunk, chunk, **f32)
     chunked_bwd_wy_kernel[(st.n_slots, H)](
-        k, v, g, beta, omega, st.ai, du, st.h, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
+        k, v, g, beta, omega, st.ai, du, dw, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
         F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, AI_W=st.ai.shape[-1], **dict(parallel, BV=launch.bwd_wy_BV, num_warps=launch.bwd_wy_warps),
     )
     return dq, dk, dv, dg, dbeta, None, dh0, None
