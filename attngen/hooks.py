@@ -41,8 +41,12 @@ class NoDecay:
         """A state block x [BF, BV] times Γ_C."""
         return x
 
-    def load_chunk_decay(self, i_slot: str) -> str:
-        """b_gam_C, Γ_C of chunk slot i_slot as the prepare step stored it."""
+    def load_chunk_decay(self, i_slot: str, name: str = "b_gam_C") -> str:
+        """name (b_gam_C), Γ_C of chunk slot i_slot as the prepare step stored it."""
+        return ""
+
+    def zero_chunk_decay(self, name: str) -> str:
+        """name, a Γ_C of zeros (the value of a load that did not run)."""
         return ""
 
     def pair_decays(self) -> str:
@@ -95,8 +99,11 @@ class ScalarDecay(NoDecay):
     def state_times(self, x: str) -> str:
         return f"{x} * b_gam_C"
 
-    def load_chunk_decay(self, i_slot: str) -> str:
-        return f"b_gam_C = tl.load(gc + {i_slot} * H + i_h)"
+    def load_chunk_decay(self, i_slot: str, name: str = "b_gam_C") -> str:
+        return f"{name} = tl.load(gc + {i_slot} * H + i_h)"
+
+    def zero_chunk_decay(self, name: str) -> str:
+        return f"{name} = 0.0"
 
     def chunk_decay_buffer(self) -> str:
         return "gc = torch.empty(n_slots, H, **f32)"
@@ -145,8 +152,11 @@ class VectorDecay(NoDecay):
     def state_times(self, x: str) -> str:
         return f"{x} * b_gam_C[:, None]"
 
-    def load_chunk_decay(self, i_slot: str) -> str:
-        return f"b_gam_C = tl.load(gc + ({i_slot} * H + i_h) * F + o_f, mask=m_f, other=0.0)"
+    def load_chunk_decay(self, i_slot: str, name: str = "b_gam_C") -> str:
+        return f"{name} = tl.load(gc + ({i_slot} * H + i_h) * F + o_f, mask=m_f, other=0.0)"
+
+    def zero_chunk_decay(self, name: str) -> str:
+        return f"{name} = tl.zeros([BF], dtype=tl.float32)"
 
     def chunk_decay_buffer(self) -> str:
         return "gc = torch.empty(n_slots, H, F, **f32)"

@@ -1259,7 +1259,6 @@ def chunked_bwd_states_kernel(
             b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- dS + Q̂^T dO - W^T dU: the gradient of the chunk-start state
-
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
         b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh))
 

@@ -1354,8 +1354,17 @@ def chunked_bwd_states_kernel(
         b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
 
     NT = tl.cdiv(T_seq, BT)
+    # Γ_C of the loop's first chunk; each iteration loads the next chunk's before its own work (a narrow
+    # load that Triton's software pipeline leaves in place, on the loop's critical path dS <- Γ_C dS + ..;
+    # gated_deltanet B4 T8192 H16 K = V = 128 bf16 on the H200 at 64-token chunks: BENCHMARKS.md)
+    b_gam_C_next = 0.0
+    if NT > 0:
+        b_gam_C_next = tl.load(gc + (boc + NT - 1) * H + i_h)
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
+        b_gam_C = b_gam_C_next
+        # (the last chunk loads its own again: a slot of this sequence)
+        b_gam_C_next = tl.load(gc + (boc + tl.maximum(i_c - 1, 0)) * H + i_h)
         if not ENDS:
             # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
@@ -1378,7 +1387,6 @@ def chunked_bwd_states_kernel(
             b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
-        b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
         b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C))
 

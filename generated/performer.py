@@ -1065,7 +1065,6 @@ def chunked_bwd_states_kernel(
             b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- dS + Q̂^T dO: the gradient of the chunk-start state
-
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh)
         b_dz = b_dz + tl.load(rz + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
 
