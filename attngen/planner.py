@@ -479,14 +479,13 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # The value loops of the backward's dq, dk and UT steps. bf16 delta rules at K = V = 128 on the
     # H200 (B4 T8192 H16, fwd+bwd, BENCHMARKS.md 2026-12-02, sixth run): dq and the UT step by 128
     # lanes, gated_deltanet 5.615 -> 5.213 ms (dq 731 -> 493 us, UT step 1054 -> 876), deltanet 4.030
-    # -> 3.931, kda 12.605 -> 12.443; dk by 128 where there is no scalar decay (deltanet 452 -> 365 us,
-    # kda 2686 -> 1695), gated_deltanet's dk stays at 32 (1211 us; 1363 at 64). The additive rules
-    # measured best at BV (mamba2, retnet, gla, linear_transformer).
+    # -> 3.931, kda 12.605 -> 12.443; dk by 128 too (deltanet 452 -> 365 us, kda 2686 -> 1695; gated_deltanet's,
+    # 1211 us at 32 lanes with the decay gradient's chunk term in its loop, 603 at 128 with the term a step
+    # of its own, chunk_term_step; BENCHMARKS.md 2026-12-04). The additive rules measured best at BV
+    # (mamba2, retnet, gla, linear_transformer).
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
     if dtype == torch.bfloat16 and spec.update == "delta" and BF <= 128:
-        bwd_dq_BV = bwd_wy_BV = 128
-        if spec.decay != "scalar":
-            bwd_dk_BV = 128
+        bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
@@ -788,6 +787,7 @@ class KernelSpec:
     stored_grad_features: bool      # the backward's dq and dk steps read them too (stored_grad_features)
     keys_in_passes: bool            # the additive rule's state passes read each chunk's keys from k, raw, the decay on
                                     # their dots' other side: no keys step (keys_in_passes)
+    chunk_term_step: bool           # the backward's decay-gradient chunk term in a step of its own (chunk_term_step)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
 
@@ -847,6 +847,17 @@ def keys_in_passes(spec: Spec) -> bool:
             and spec.qk_norm == "none" and spec.normalize == "none")
 
 
+def chunk_term_step(spec: Spec) -> bool:
+    """Whether the chunked backward computes the decay gradient's chunk term, Γ_C sum_v h_c ⊙ dS per chunk, in a
+    step of its own (chunked_bwd_dgc_kernel, which streams h_c and dS) rather than in the dk step's value loop:
+    the delta rules with a scalar decay, whose dk step then loads no h_c and holds no accumulator for it, and takes
+    the 128-lane value blocks of the other delta rules. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
+    2026-12-04): gated_deltanet's dk 1211 -> 603 us and the step's 324, fwd+bwd 5.136 -> 4.845 ms. Not the additive
+    rules, nor vector decay, where the step cost about what it took out of dk (mamba2 2.186 -> 2.165 ms, retnet
+    2.098 -> 2.115, gla 6.025 -> 6.229, kda 11.309 -> 11.501)."""
+    return spec.is_linear and spec.update == "delta" and spec.decay == "scalar"
+
+
 def stored_grad_features(spec: Spec) -> bool:
     """Whether the backward's dq and dk steps read the stored features as well (stored_features), projecting
     only for the feature map's gradient: not with the l2 norm, whose gradient takes the features before it."""
@@ -875,6 +886,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
+        chunk_term_step=chunk_term_step(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
@@ -931,9 +943,13 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
-                  + (", the decay gradient's query terms" if decayed else "") + step4),
-                 ("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
-                  + (", the decay gradient" if decayed else "") + step4))
+                  + (", the decay gradient's query terms" if decayed else "")
+                  + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
+    if chunk_term_step(spec):
+        backward += (("chunked_bwd_dgc_kernel", "chunk-parallel: sum_v h_c ⊙ dS per chunk, the decay gradient's chunk "
+                      "term"),)
+    backward += (("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
+                  + (", the decay gradient" if decayed else "") + step4),)
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
                       "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)

@@ -1352,7 +1352,7 @@ def chunked_bwd_dq_kernel(
 @triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, u, h, ds, dk_part, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, ds, dk_part, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1602,7 +1602,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = None
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, st.u, st.h, ds, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, do, st.u, ds, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     # nor dS, U and h_c past step 4

@@ -1135,7 +1135,7 @@ def chunked_bwd_dq_kernel(
 @triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, ds, hz, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, c, u, ds, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1315,7 +1315,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, c, u, st.h, ds, st.hz, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, do, c, u, ds, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     return dq, dk, dv, dg, None, None, dh0, None

@@ -39,9 +39,11 @@ def test_the_backward_releases_what_its_later_steps_do_not_read():
     G = kernel_lib.chunked_state_segments(B * H * D // 64, T, 64)[0]
     ends = (G - 1) * B * H * (D * D + D) * 4
     live = {
-        # step 4b: h_c and dS, U, dU, dq, the output, (I + A)^-1 rows (the forward's, at its 64-token
-        # chunks), step 4's dk̂ (float32), dgq, dg part
-        "gated_deltanet": 2 * states(32) + 4 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4,
+        # step 4b: h_c and dS, U, dU, dW (step 4a's, for the UT step), dq, the output, (I + A)^-1 rows (the
+        # forward's, at its 64-token chunks), step 4's dk̂ (float32), dgq, dg part, the chunk term per
+        # chunk (step 4c's, [chunk slots, H, F] float32)
+        "gated_deltanet": 2 * states(32) + 5 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4
+        + (T // 32) * B * H * D * 4,
         # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
         "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32 + ends,
         # step 3: h_c and the normalizer's column z_c, the state keys, dU (float32), the queries of step 3

@@ -77,8 +77,8 @@ def test_defaults_are_the_measured_launches():
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
         output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
-        bwd_dk_BV=32, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
-    # bf16 delta rules: the backward's dq and UT steps by 128 value lanes, dk too but with a scalar decay
+        bwd_dk_BV=128, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
+    # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV)
     assert (default(call, spec=KDA).bwd_dk_BV, default(call, spec=MAMBA2).bwd_dq_BV) == (128, 32)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
