@@ -172,6 +172,15 @@ def test_every_step_template_is_a_step_the_planner_names():
     assert bwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked_bwd").glob("*.jinja")}
 
 
+def test_the_chunk_term_step_only_where_it_measured_faster():
+    """The decay gradient's chunk term is a backward step of its own for the scalar-decay delta rules
+    (planner.chunk_term_step: their dk step then reads no h_c), and stays in the dk step's loop elsewhere."""
+    steps = {Path(path).stem: planner.kernel_spec(load_spec(path)).chunked_bwd_steps for path in SPECS}
+    gdn = steps["gated_deltanet"]
+    assert "dgc" in gdn and gdn.index("dgc") < gdn.index("dk")
+    assert not any("dgc" in steps[name] for name in ("deltanet", "kda", "mamba2", "retnet", "gla", "linear_transformer"))
+
+
 def test_hooks_of_every_rule_and_decay():
     """planner.kernel_spec fills the update rule's and the decay's hook objects (attngen/hooks.py) the
     step templates take their fragments from; an unknown rule or decay is a clear error."""
@@ -186,6 +195,9 @@ def test_hooks_of_every_rule_and_decay():
     assert hooks.decay_hook("constant").rows_times("x", "g") == "x * g[:, None]"
     assert hooks.decay_hook("none").state_times("b_dh") == "b_dh"
     assert "b_wt" in hooks.rule_hook("delta").state_update("b_dh") and hooks.rule_hook("additive").state_tiles() == ""
+    # a stored Γ_C into a name of the caller's (the state-gradient pass loads the next chunk's ahead)
+    assert hooks.decay_hook("scalar").load_chunk_decay("(s)", "b_next") == "b_next = tl.load(gc + (s) * H + i_h)"
+    assert hooks.decay_hook("vector").zero_chunk_decay("b_next") == "b_next = tl.zeros([BF], dtype=tl.float32)"
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
