@@ -854,7 +854,8 @@ def chunk_term_step(spec: Spec) -> bool:
     the 128-lane value blocks of the other delta rules. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
     2026-12-04): gated_deltanet's dk 1211 -> 603 us and the step's 324, fwd+bwd 5.136 -> 4.845 ms. Not the additive
     rules, nor vector decay, where the step cost about what it took out of dk (mamba2 2.186 -> 2.165 ms, retnet
-    2.098 -> 2.115, gla 6.025 -> 6.229, kda 11.309 -> 11.501)."""
+    2.098 -> 2.115, gla 6.025 -> 6.229, kda 11.309 -> 11.501): the step is launched by the delta rule's backward
+    alone."""
     return spec.is_linear and spec.update == "delta" and spec.decay == "scalar"
 
 

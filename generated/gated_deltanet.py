@@ -1498,9 +1498,9 @@ def chunked_bwd_dgc_kernel(
     # meta
     BF: tl.constexpr, BV: tl.constexpr,
 ):
-    # step 4c, one program per chunk slot and head: [BF] sum_v h_c ⊙ dS,
-    # float32, into dgc [chunk slots, H, F], the chunk term of the decay gradient that step 4b adds. It
-    # only streams the two state-sized tiles (step 4b then loads neither h_c nor an accumulator for it)
+    # step 4c, one program per chunk slot and head: [BF] sum_v h_c ⊙ dS, float32, into dgc [chunk slots, H,
+    # F], the chunk term of the decay gradient that step 4b adds. It only streams the two state-sized tiles
+    # (step 4b then loads neither h_c nor an accumulator for it)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     o_f = tl.arange(0, BF)
     m_f = o_f < F
