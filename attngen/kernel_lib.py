@@ -20,7 +20,7 @@ import triton.language as tl
 from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 
 # what a generated module may import (codegen imports in each the names its code calls)
-__all__ = ["DGC_BV", "LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
+__all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
@@ -238,11 +238,6 @@ def chunked_blocks(K, F, launch):
 SEGMENT_SMS = 132
 SEGMENT_PROGRAMS = 2 * SEGMENT_SMS
 SEGMENT_MIN_CHUNKS = 4
-
-# The value lanes per loop step of the chunked backward's decay-gradient chunk term (chunked_bwd_dgc_kernel),
-# a pass that streams h_c and dS: a [F, 32] float32 accumulator (32 registers a thread at F = 128 and
-# four warps) beside two tiles of 32 lanes in flight.
-DGC_BV = 32
 
 
 def chunked_state_segments(programs, T, chunk, split=True):

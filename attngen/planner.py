@@ -480,9 +480,9 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # H200 (B4 T8192 H16, fwd+bwd, BENCHMARKS.md 2026-12-02, sixth run): dq and the UT step by 128
     # lanes, gated_deltanet 5.615 -> 5.213 ms (dq 731 -> 493 us, UT step 1054 -> 876), deltanet 4.030
     # -> 3.931, kda 12.605 -> 12.443; dk by 128 too (deltanet 452 -> 365 us, kda 2686 -> 1695; gated_deltanet's,
-    # 1211 us at 32 lanes with the decay gradient's chunk term in its loop, 603 at 128 with the term a step
-    # of its own, chunk_term_step; BENCHMARKS.md 2026-12-04). The additive rules measured best at BV
-    # (mamba2, retnet, gla, linear_transformer).
+    # 1211 us at 32 lanes with the decay gradient's chunk term in its loop, 603 at 128 with the term out of
+    # it; BENCHMARKS.md 2026-12-04). The additive rules measured best at BV (mamba2, retnet, gla,
+    # linear_transformer).
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
     if dtype == torch.bfloat16 and spec.update == "delta" and BF <= 128:
         bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
@@ -787,7 +787,7 @@ class KernelSpec:
     stored_grad_features: bool      # the backward's dq and dk steps read them too (stored_grad_features)
     keys_in_passes: bool            # the additive rule's state passes read each chunk's keys from k, raw, the decay on
                                     # their dots' other side: no keys step (keys_in_passes)
-    chunk_term_step: bool           # the backward's decay-gradient chunk term in a step of its own (chunk_term_step)
+    states_decay_ahead: bool        # the forward's state pass loads each chunk's Γ_C an iteration ahead (states_decay_ahead)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
 
@@ -847,16 +847,16 @@ def keys_in_passes(spec: Spec) -> bool:
             and spec.qk_norm == "none" and spec.normalize == "none")
 
 
-def chunk_term_step(spec: Spec) -> bool:
-    """Whether the chunked backward computes the decay gradient's chunk term, Γ_C sum_v h_c ⊙ dS per chunk, in a
-    step of its own (chunked_bwd_dgc_kernel, which streams h_c and dS) rather than in the dk step's value loop:
-    the delta rules with a scalar decay, whose dk step then loads no h_c and holds no accumulator for it, and takes
-    the 128-lane value blocks of the other delta rules. B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md
-    2026-12-04): gated_deltanet's dk 1211 -> 603 us and the step's 324, fwd+bwd 5.136 -> 4.845 ms. Not the additive
-    rules, nor vector decay, where the step cost about what it took out of dk (mamba2 2.186 -> 2.165 ms, retnet
-    2.098 -> 2.115, gla 6.025 -> 6.229, kda 11.309 -> 11.501): the step is launched by the delta rule's backward
-    alone."""
-    return spec.is_linear and spec.update == "delta" and spec.decay == "scalar"
+def states_decay_ahead(spec: Spec) -> bool:
+    """Whether the forward's state pass loads each chunk's stored Γ_C an iteration ahead (a narrow load
+    that Triton's software pipeline leaves in place, on the loop's critical path S <- Γ_C S + ..), as
+    the backward's state-gradient pass does: the additive rules with a stored Γ_C (a decay, and not
+    keys_in_passes). B4 T8192 H16 K = V = 128 bf16 on the H200 (BENCHMARKS.md 2026-12-04, second run),
+    the pass's time in the forward and the backward's recomputation together: gla 581 -> 510 us, fwd+bwd
+    6.047 -> 5.991 ms. Not the delta rules, where the pass also writes U = U0 - W h_c and it measured
+    slower: gated_deltanet 704 -> 793 us (fwd+bwd 4.646 -> 4.731), kda 1453 -> 1462."""
+    return (spec.is_linear and spec.update == "additive" and spec.decay != "none"
+            and not keys_in_passes(spec))
 
 
 def stored_grad_features(spec: Spec) -> bool:
@@ -887,7 +887,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
-        chunk_term_step=chunk_term_step(spec),
+        states_decay_ahead=states_decay_ahead(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())
 
@@ -944,11 +944,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
-                  + (", the decay gradient's query terms" if decayed else "")
+                  + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS" if decayed else "")
                   + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
-    if chunk_term_step(spec):
-        backward += (("chunked_bwd_dgc_kernel", "chunk-parallel: sum_v h_c ⊙ dS per chunk, the decay gradient's chunk "
-                      "term"),)
     backward += (("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
                   + (", the decay gradient" if decayed else "") + step4),)
     if delta:

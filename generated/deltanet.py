@@ -1390,19 +1390,18 @@ def chunked_bwd_dk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries,
-    # keys and decays are loaded after this loop)
+    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
+    # after this loop)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_uds = tl.zeros([BT, BF], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_vf = m_v[:, None] & m_f[None, :]
         # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T

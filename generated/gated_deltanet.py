@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (DGC_BV, ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
+from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
                                 chunked_qk_group, floor_log_decay, pow2_ceil)
 
@@ -1220,9 +1220,10 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      after chunk 0, dS is the initial state's gradient. Three dots per chunk: the critical path is
 #      K̂ dS -> dU -> W^T dU.
 #   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
-#      dP and dW = -dU h_c^T (stored for step 5); -> dq̂, the decay gradient's query terms; the chain rule through
+#      dP and dW = -dU h_c^T (stored for step 5), sum_v h_c ⊙ dS; -> dq̂, the decay gradient's query terms and
+#      chunk term; the chain rule through
 #      scale, the l2 norm and the feature map -> dq.
-#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T, sum_v h_c ⊙ dS; -> dk̂' of P,
+#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T; -> dk̂' of P,
 #      dk̂", the decay gradient's P and state terms (with 4a's).
 #   5. chunked_bwd_wy_kernel, chunk-parallel per (chunk slot, head): the UT transform's backward,
 #      by value blocks dX = T^T dU (-> dv) and dT, then with 4a's dW: dY, dA -> dβ, dk̂r, dk̂' of
@@ -1397,7 +1398,7 @@ def chunked_bwd_states_kernel(
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, u, h, du, dw, dq, dgq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, h, ds, du, dw, dq, dgq, dgc, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1406,7 +1407,8 @@ def chunked_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
-    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms for step 4b (dgq); and
+    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
+    # for step 4b (dgq, dgc); and
     # dW = -dU h_c^T, the UT transform's gradient of W, for step 5
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
@@ -1437,10 +1439,13 @@ def chunked_bwd_dq_kernel(
     m_tf = m_t[:, None] & m_f[None, :]
 
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it); [BT, BF] dU h_c^T
+    # after this loop, which does not read them: they would hold registers through it); [BT, BF] dU h_c^T;
+    # [BF] sum_v h_c ⊙ dS, the decay gradient's chunk term (h_c is loaded here anyway; step 4b then loads
+    # neither h_c nor an accumulator for it)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BF], dtype=tl.float32)
     b_duh = tl.zeros([BT, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -1451,9 +1456,14 @@ def chunked_bwd_dq_kernel(
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        # [BV, BF] dS transposed by the load, as h_c
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)
         # [BT, BV] dU, as step 3 completed it
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_duh = chunked_dot(b_du, b_hct, DOT_PRECISION, b_duh)
+    # [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's
+    tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)
     # [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)
     tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), mask=m_t[:, None] & m_f[None, :])
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
@@ -1490,38 +1500,9 @@ def chunked_bwd_dq_kernel(
 
 
 @triton.jit
-def chunked_bwd_dgc_kernel(
-    # pointers
-    h, ds, dgc,
-    # dims
-    H: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
-    # meta
-    BF: tl.constexpr, BV: tl.constexpr,
-):
-    # step 4c, one program per chunk slot and head: [BF] sum_v h_c ⊙ dS, float32, into dgc [chunk slots, H,
-    # F], the chunk term of the decay gradient that step 4b adds. It only streams the two state-sized tiles
-    # (step 4b then loads neither h_c nor an accumulator for it)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
-    o_f = tl.arange(0, BF)
-    m_f = o_f < F
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
-    # [BF, BV] h_c ⊙ dS summed over the value blocks element by element, over the values once after the loop
-    b_acc = tl.zeros([BF, BV], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_fv = m_f[:, None] & (o_v < V)[None, :]
-        b_h = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0).to(tl.float32)
-        b_ds = tl.load(ds + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0).to(tl.float32)
-        b_acc += b_h * b_ds
-    b_dgc = tl.sum(b_acc, 1)
-    o_z = (i_s.to(tl.int64) * H + i_h) * F
-    tl.store(dgc + o_z + o_f, b_dgc, mask=m_f)
-
-
-@triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, u, dgc, ds, dgq, dk_part, dg_part, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, ds, dgc, dgq, dk_part, dg_part, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1559,22 +1540,21 @@ def chunked_bwd_dk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries,
-    # keys and decays are loaded after this loop)
+    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
+    # after this loop)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_uds = tl.zeros([BT, BF], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_vf = m_v[:, None] & m_f[None, :]
         # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-    # [BF] the chunk term's sum_v h_c ⊙ dS (step 4c's)
+    # [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)
     b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
@@ -1796,17 +1776,16 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgq = torch.empty(g.shape, **f32)
     # and the UT transform's dW = -dU h_c^T for step 5
     dw = torch.empty(B, T, H, F, **tiles)
+    # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, for 4b
+    dgc = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, st.u, st.h, du, dw, dq, dgq, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
+        q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
-    # step 4c: the decay gradient's chunk term per chunk, for 4b
-    dgc = torch.empty(st.n_slots, H, F, **f32)
-    chunked_bwd_dgc_kernel[(st.n_slots, H)](st.h, ds, dgc, H=H, V=V, F=F, BF=BF, BV=DGC_BV, num_warps=launch.bwd_warps)
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, st.u, dgc, ds, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, do, st.u, ds, dgc, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     # nor dS, U and h_c past step 4

@@ -576,7 +576,15 @@ def chunked_states_kernel(
             b_h = b_h * b_dj[:, None] + tl.load(he + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
     b_dseg = tl.full([BF], 1.0, tl.float32)
 
+    # Γ_C of the loop's first chunk; each iteration loads the next chunk's before its own work
+    # (planner.states_decay_ahead)
+    b_gam_C_next = tl.zeros([BF], dtype=tl.float32)
+    if c1 > c0:
+        b_gam_C_next = tl.load(gc + ((boc + c0) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     for i_c in range(c0, c1):
+        b_gam_C = b_gam_C_next
+        # (the last chunk loads its own again: a slot of this sequence)
+        b_gam_C_next = tl.load(gc + ((boc + tl.minimum(i_c + 1, c1 - 1)) * H + i_h) * F + o_f, mask=m_f, other=0.0)
         if not ENDS:
             # the chunk-start state, for the output pass: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
@@ -592,7 +600,6 @@ def chunked_states_kernel(
         # [BT, BV] the additive rule writes the values
         b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
-        b_gam_C = tl.load(gc + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C[:, None])
         if ENDS:
             b_dseg = b_dseg * b_gam_C
@@ -857,9 +864,9 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
 #      path (dv's is off it).
 #   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
-#      dP; -> dq̂, the decay gradient's query terms; the chain rule through
+#      dP, sum_v h_c ⊙ dS; -> dq̂, the decay gradient's query terms and chunk term; the chain rule through
 #      scale and the feature map -> dq.
-#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T, sum_v h_c ⊙ dS;
+#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T;
 #      -> dk̂, the decay gradient (with 4a's terms); the chain rule -> dk.
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
@@ -1117,7 +1124,7 @@ def chunked_bwd_states_kernel(
 @triton.jit
 def chunked_bwd_dq_kernel(
     # pointers
-    q, k, g, omega, do, u, h, dq, dgq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, h, ds, dq, dgq, dgc, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1126,7 +1133,8 @@ def chunked_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
-    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms for step 4b (dgq)
+    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
+    # for step 4b (dgq, dgc)
     i_s, i_h = tl.program_id(0), tl.program_id(1)
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1156,10 +1164,13 @@ def chunked_bwd_dq_kernel(
     m_tf = m_t[:, None] & m_f[None, :]
 
     # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it)
+    # after this loop, which does not read them: they would hold registers through it);
+    # [BF] sum_v h_c ⊙ dS, the decay gradient's chunk term (h_c is loaded here anyway; step 4b then loads
+    # neither h_c nor an accumulator for it)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dgc = tl.zeros([BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
@@ -1169,6 +1180,11 @@ def chunked_bwd_dq_kernel(
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        # [BV, BF] dS transposed by the load, as h_c
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)
+    # [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's
+    tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1244,7 +1260,7 @@ def chunked_bwd_dq_kernel(
 @triton.jit
 def chunked_bwd_dk_kernel(
     # pointers
-    q, k, g, omega, do, u, h, ds, dgq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, ds, dgc, dgq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1282,27 +1298,22 @@ def chunked_bwd_dk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T, [BF] sum_v h_c ⊙ dS (the queries,
-    # keys and decays are loaded after this loop)
+    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
+    # after this loop)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_uds = tl.zeros([BT, BF], dtype=tl.float32)
     b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BF], dtype=tl.float32)
-    # h_c ⊙ dS summed over the value blocks element by element, over the values once after the loop
-    b_dgc_v = tl.zeros([BV, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_vf = m_v[:, None] & m_f[None, :]
-        # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS and h_c transposed by the load
+        # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-        b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
-        b_dgc_v += b_hct.to(tl.float32) * b_dst.to(tl.float32)
-    b_dgc += tl.sum(b_dgc_v, 0)
+    # [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)
+    b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1453,12 +1464,14 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dgq, dg = torch.empty(g.shape, **f32), torch.empty_like(g)
+    # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, 4a's for 4b
+    dgc = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_dq_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, u, st.h, dq, dgq, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, do, u, st.h, ds, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
     chunked_bwd_dk_kernel[(st.n_slots, H)](
-        q, k, g, omega, do, u, st.h, ds, dgq, dk, dg, **chunks, T=T, H=H, K=K, V=V, F=F,
+        q, k, g, omega, do, u, ds, dgc, dgq, dk, dg, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
     return dq, dk, dv, dg, None, None, dh0, None

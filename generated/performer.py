@@ -1205,24 +1205,22 @@ def chunked_bwd_dk_kernel(
     # [BF, BK]
     b_omega = tl.load(omega + o_f[:, None] * K + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries,
-    # keys and decays are loaded after this loop)
+    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
+    # after this loop)
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     # the accumulators start from the ones column of U and the normalizer's of dS (dz [BF]) and dO (c
     # [BT], 0 on padded tokens): the rank-1 terms 1 dz^T and 1 c^T of the two products
     b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
-    o_z = (i_s.to(tl.int64) * H + i_h) * F
-    b_dz = tl.load(dsz + o_z + o_f, mask=m_f, other=0.0)
+    b_dz = tl.load(dsz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     b_uds = tl.where(m_t[:, None], b_dz[None, :], 0.0)
     b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_vf = m_v[:, None] & m_f[None, :]
         # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_vf, other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T

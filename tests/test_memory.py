@@ -41,7 +41,7 @@ def test_the_backward_releases_what_its_later_steps_do_not_read():
     live = {
         # step 4b: h_c and dS, U, dU, dW (step 4a's, for the UT step), dq, the output, (I + A)^-1 rows (the
         # forward's, at its 64-token chunks), step 4's dk̂ (float32), dgq, dg part, the chunk term per
-        # chunk (step 4c's, [chunk slots, H, F] float32)
+        # chunk (step 4a's, [chunk slots, H, F] float32)
         "gated_deltanet": 2 * states(32) + 5 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4
         + (T // 32) * B * H * D * 4,
         # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
