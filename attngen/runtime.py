@@ -127,13 +127,13 @@ class Op:
                 self._kernels = kernels_for(self)
             omega = self.features(call.head_dim, q.device, torch.float32)
             kform, launch = kernel_launch(self.spec, choice, call, q.device, q.dtype)
-            if torch.compiler.is_compiling():
+            if not eager(q, k, v, g, beta, cache.state):
                 # the registered op (mutating the cache), which torch.compile traces
                 return self._kernels.cached_op(*LINEAR_CACHED.bind(
                     q=q, k=k, v=v, g=g, beta=beta, omega=omega, state=cache.state, slots=slots, cu_seqlens=cu_seqlens,
                     scale=call.scale, form=kform, launch=launch)), None
             # eagerly the same launches without the dispatcher's pass over a mutating op (some
-            # 80 us of host time per call, bench/decode_host.py): there is no autograd to record
+            # 80 us of host time per call, bench/decode_host.py)
             args = LINEAR_OP.bind(q=q, k=k, v=v, g=g, beta=beta, omega=omega, initial_state=cache.state,
                                   cu_seqlens=cu_seqlens, scale=call.scale, form=kform, launch=launch,
                                   output_final_state=True, for_backward=False)
@@ -163,7 +163,7 @@ class Op:
             args = serving.cached_softmax_args(self.spec, cache, q, k, v, g, slots, cu_seqlens, call.scale,
                                                call.max_len,
                                                cache_launch(self.spec, call, cache.k.shape[1], q.device, q.dtype))
-            if torch.compiler.is_compiling():
+            if not eager(q, k, v, g, cache.k):
                 return self._kernels.cached_op(*args)
             return self._kernels.cached_forward(*args)
 
@@ -335,11 +335,27 @@ class Op:
             kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state),
                     *(_compile_kind(n, a) for n, a in zip(names, args)))
             compiling.first_call(kind, lambda: compiling.dry_run(module, args, backward))
+        # through the registered op where autograd records the call or something traces or intercepts it;
+        # else its forward, the same launches without the dispatcher's pass over the op (host time of a
+        # softmax decode call, bench/decode_host.py)
+        run = module.forward if eager(q, k, v, g, beta, initial_state) else module.op
         if not self.spec.is_linear:
-            o, lse = module.op(*args)
+            o, lse = run(*args)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
-        o, ht, _ = module.op(*args)
+        o, ht, _ = run(*args)
         return o, (ht if output_final_state else None)
+
+
+def eager(*tensors) -> bool:
+    """Whether a kernels' call may skip the dispatcher's pass over its registered op and call the
+    generated forward: not traced by torch.compile, no Python dispatch or function mode active,
+    plain tensors (no subclass: fake, meta-functional, distributed), none requiring a gradient
+    while autograd records (the op's autograd would record nothing else)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)
 
 
 def _compile_kind(name: str, value) -> Hashable:

@@ -508,3 +508,48 @@ def test_cuda_tensor_without_cuda(monkeypatch, name, cuda_build):
     why = "no CUDA support (torch.version.cuda is None)" if cuda_build is None else "torch.cuda.is_available()"
     with raises_naming("q", "a CUDA tensor", why):
         op(**{**inputs, "q": q})
+
+
+# --------------------------------------------------------------------------- the eager path past the dispatcher
+
+def test_eager_calls_skip_the_registered_op_and_others_go_through_it(triton_backend, monkeypatch):
+    """A kernels' call with no autograd to record, nothing tracing or intercepting it and plain
+    tensors calls the generated forward directly (runtime.eager: the dispatcher's pass over the op
+    was half a decode call's host time); its outputs equal those through the op. A dispatch mode
+    (here one that lists the ops it sees) and a tensor needing a gradient take the registered op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attngen import runtime
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    plain = torch.zeros(2)
+    assert runtime.eager(plain, None)
+    wanting = torch.zeros(2, requires_grad=True)
+    assert not runtime.eager(plain, wanting)
+    with torch.no_grad():
+        assert runtime.eager(plain, wanting)
+    for name in ("softmax_causal", "mamba2"):
+        # (float32: float64 inputs of linear specs run the PyTorch forms)
+        op, inputs = op_and_inputs(name, dtype=torch.float32)
+        module = runtime.kernels_for(op)
+        with torch.no_grad(), monkeypatch.context() as patch:
+            # the registered op is not called
+            patch.setattr(module, "op", lambda *args: pytest.fail("an eager call went through the registered op"))
+            direct = op(**inputs)
+        with torch.no_grad():
+            with Seen() as seen:
+                through = op(**inputs)
+        assert any(f"attngen.{name}" in s for s in seen.ops), (name, seen.ops[:5])
+        first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+        assert torch.equal(first(direct), first(through))
+        q = inputs["q"].clone().requires_grad_()
+        graded = first(op(**{**inputs, "q": q}))
+        assert graded.grad_fn is not None and torch.equal(graded.detach(), first(direct))
