@@ -4,6 +4,13 @@ fla's fused recurrent gated delta rule (initial_state in, final state out: its d
 graph, when fla is installed), outputs compared.
 
     python bench/decode.py [--batch 1,64,256] [--slots 512]
+    python bench/decode.py --softmax [--batch 1,64] [--keys 32768]
+
+--softmax: softmax_causal's decode step (op.prepare_decode on a StateCache whose slots hold --keys - 1
+keys: each step appends one and attends to --keys, split over the keys), eager and from a graph, each
+step with the cache lengths set back (a fill_ of B ints, in the timed call) so every step reads the
+same keys; against SDPA and FlexAttention (compiled) of one query on [B, H, keys, D] contiguous keys
+and values; the effective cache bandwidth (keys and values read once) of the graph of one step.
 
 Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
 and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
@@ -40,11 +47,60 @@ def us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
+def softmax_decode(batches: list[int], keys: int) -> None:
+    """Rows of softmax_causal's prepared decode step against SDPA and FlexAttention (see the header)."""
+    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "softmax_causal.yaml")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention)
+    except ImportError as e:
+        flex = None
+        print(f"FlexAttention unavailable ({e})")
+    print(f"softmax_causal decode, one query against {keys} keys, H{H} D{K} bf16")
+    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {'TB/s':>6} {'SDPA us':>8} {'Flex us':>8} {'rel diff':>9}")
+    torch.manual_seed(0)
+    for batch in map(int, batches):
+        cache = attngen.StateCache(op, slots=batch, heads=H, head_dim=K, value_dim=V, device="cuda",
+                                   dtype=torch.bfloat16, max_len=keys)
+        cache.k.normal_()
+        cache.v.normal_()
+        cache.lengths.fill_(keys - 1)
+        slots = torch.arange(batch, device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, K, V))
+        with torch.no_grad():
+            step = op.prepare_decode(cache, batch, dtype=torch.bfloat16)
+
+            def one():
+                cache.lengths.fill_(keys - 1)
+                return step(q, k, v, slots=slots)
+
+            t_eager = us(one)
+            t_graph = us(graphed(one))
+            o = one()
+            # the baselines' layout [B, H, keys, D], the new token's key and value in place
+            kt, vt = (c[:, :keys].transpose(1, 2).contiguous() for c in (cache.k, cache.v))
+            qt = q.transpose(1, 2).contiguous()
+            t_sdpa = us(lambda: sdpa(qt, kt, vt))
+            ref = sdpa(qt, kt, vt).transpose(1, 2)
+            t_flex = us(lambda: flex(qt, kt, vt)) if flex is not None else float("nan")
+            diff = float((o.float() - ref.float()).norm() / ref.float().norm())
+        read = 2 * batch * keys * H * K * 2
+        print(f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {read / t_graph / 1e6:>6.2f} {t_sdpa:>8.1f} {t_flex:>8.1f} "
+              f"{diff:>9.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", default="1,64,256")
+    parser.add_argument("--batch", default=None, help="default 1,64,256 (--softmax: 1,64)")
     parser.add_argument("--slots", type=int, default=512)
+    parser.add_argument("--softmax", action="store_true", help="softmax_causal's decode against SDPA and Flex")
+    parser.add_argument("--keys", type=int, default=32768, help="--softmax: the keys each query attends to")
     args = parser.parse_args()
+    if args.softmax:
+        softmax_decode((args.batch or "1,64").split(","), args.keys)
+        return
+    args.batch = args.batch or "1,64,256"
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml")
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
