@@ -865,10 +865,18 @@ def stored_grad_features(spec: Spec) -> bool:
     return stored_features(spec) and spec.qk_norm == "none"
 
 
-def kernel_spec(spec: Spec) -> KernelSpec:
-    from . import algebra  # sympy only when generating code
+# The identity feature map's Triton source and its derivative's (algebra.triton_source of x and of 1).
+IDENTITY_SOURCE, IDENTITY_GRAD_SOURCE = "x", "1.0"
 
-    if spec.is_linear and spec.feature_map != "favor_plus":
+
+def kernel_spec(spec: Spec) -> KernelSpec:
+    if spec.is_linear and spec.feature_map == "identity":
+        # the identity map's fragments as algebra prints them (tests/test_algebra.py): a spec without a
+        # feature map renders with no sympy imported (a second of a fresh process's attngen.load)
+        phi, phi_grad, feature = IDENTITY_SOURCE, IDENTITY_GRAD_SOURCE, "identity"
+    elif spec.is_linear and spec.feature_map != "favor_plus":
+        from . import algebra  # sympy only for the feature maps it prints
+
         expr = algebra.feature_expr(spec.feature_map, spec.feature_expr)
         phi, phi_grad = algebra.triton_source(expr), algebra.triton_source(algebra.derivative(expr))
         feature = "identity" if spec.feature_map == "identity" else "elementwise"

@@ -10,7 +10,7 @@ from typing import Any, Hashable, Mapping
 
 import torch
 
-from . import algebra, codegen, compiling, forms, planner, serving, tuning
+from . import codegen, compiling, forms, planner, serving, tuning
 from .inputs import Call, check_linear, check_softmax, packed_offsets, validate_values, validating
 from .signature import LINEAR_CACHED, LINEAR_INPUTS, LINEAR_OP, SOFTMAX_INPUTS, SOFTMAX_OP
 from .spec import Spec, load_spec
@@ -25,11 +25,26 @@ def backend() -> str:
     return value
 
 
-
 def _random_features(spec: Spec, head_dim: int) -> torch.Tensor:
     """FAVOR+ Omega [features, head_dim], float64 on the CPU, of a favor_plus spec."""
+    from . import algebra
+
     fp = spec.favor_plus
     return algebra.favor_random_features(fp.features, head_dim, fp.orthogonal, fp.seed)
+
+
+def _identity(x):
+    return x
+
+
+def _feature_function(spec: Spec):
+    """The feature map of a linear spec (not FAVOR+) as a torch function; the identity without sympy."""
+    if spec.feature_map == "identity":
+        return _identity
+    from . import algebra
+
+    return algebra.torch_function(algebra.feature_expr(spec.feature_map, spec.feature_expr))
+
 
 class Op:
     """A compiled attention op. Linear: op(q, k, v, g, beta, scale, initial_state,
@@ -45,8 +60,7 @@ class Op:
         self._omega: dict = {}
         # the feature map as a torch function, built once: a call (and torch.compile's trace of
         # it) runs no sympy
-        self._phi = None if spec.feature_map == "favor_plus" or not spec.is_linear else \
-            algebra.torch_function(algebra.feature_expr(spec.feature_map, spec.feature_expr))
+        self._phi = None if spec.feature_map == "favor_plus" or not spec.is_linear else _feature_function(spec)
         # Generated kernels are imported up front where they can run, so a traced call
         # (torch.compile) finds them ready.
         self._kernels = kernels_for(self) if _kernels_possible() else None

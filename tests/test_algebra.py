@@ -338,3 +338,13 @@ def test_favor_unstructured_is_standard_gaussian():
     block = omega[:64, :64]
     gram = block @ block.T
     assert (gram - torch.diag(torch.diagonal(gram))).abs().max() > 1.0
+
+
+def test_the_planners_identity_fragments_are_the_printed_ones():
+    """planner.kernel_spec takes the identity map's Triton fragments without sympy: they are what
+    the printer gives for x and its derivative."""
+    from attngen import algebra, planner
+
+    expr = algebra.feature_expr("identity", None)
+    assert planner.IDENTITY_SOURCE == algebra.triton_source(expr)
+    assert planner.IDENTITY_GRAD_SOURCE == algebra.triton_source(algebra.derivative(expr))
