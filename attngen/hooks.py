@@ -49,6 +49,22 @@ class NoDecay:
         """name, a Γ_C of zeros (the value of a load that did not run)."""
         return ""
 
+    def first_chunk_decay_ahead(self, i_slot: str, any_chunk: str) -> str:
+        """Before a loop over chunks that loads each chunk's Γ_C an iteration ahead (next_chunk_decay):
+        b_gam_C_next, Γ_C of its first chunk, slot i_slot, loaded where any_chunk holds (zeros else)."""
+        if not self.decayed:
+            return ""
+        return (f"{self.zero_chunk_decay('b_gam_C_next')}\nif {any_chunk}:\n"
+                f"    {self.load_chunk_decay(i_slot, 'b_gam_C_next')}")
+
+    def next_chunk_decay(self, i_slot: str) -> str:
+        """At the top of that loop: b_gam_C, this chunk's Γ_C (loaded an iteration before), and
+        b_gam_C_next, that of the next chunk, slot i_slot."""
+        if not self.decayed:
+            return ""
+        return ("b_gam_C = b_gam_C_next\n# (the last chunk loads its own again: a slot of this sequence)\n"
+                f"{self.load_chunk_decay(i_slot, 'b_gam_C_next')}")
+
     def pair_decays(self) -> str:
         """The pairs' decay ratios Γ_t/Γ_s (s < t) as factors of whole [BT, BT] tiles: D in [t, s], D^T in [s, t]."""
         return ""

@@ -206,6 +206,12 @@ def test_hooks_of_every_rule_and_decay():
     # a stored Γ_C into a name of the caller's (the state-gradient pass loads the next chunk's ahead)
     assert hooks.decay_hook("scalar").load_chunk_decay("(s)", "b_next") == "b_next = tl.load(gc + (s) * H + i_h)"
     assert hooks.decay_hook("vector").zero_chunk_decay("b_next") == "b_next = tl.zeros([BF], dtype=tl.float32)"
+    # the state passes' Γ_C an iteration ahead: the first chunk's before the loop, the next one's in it
+    assert hooks.decay_hook("scalar").first_chunk_decay_ahead("boc", "NT > 0") == (
+        "b_gam_C_next = 0.0\nif NT > 0:\n    b_gam_C_next = tl.load(gc + boc * H + i_h)")
+    assert hooks.decay_hook("scalar").next_chunk_decay("(s)").splitlines()[::2] == [
+        "b_gam_C = b_gam_C_next", "b_gam_C_next = tl.load(gc + (s) * H + i_h)"]
+    assert hooks.decay_hook("none").first_chunk_decay_ahead("boc", "NT > 0") == ""
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
