@@ -85,7 +85,7 @@ def softmax_decode(batches: list[int], keys: int) -> None:
             ref = sdpa(qt, kt, vt).transpose(1, 2)
             t_flex = us(lambda: flex(qt, kt, vt)) if flex is not None else float("nan")
             diff = float((o.float() - ref.float()).norm() / ref.float().norm())
-        read = 2 * batch * keys * H * K * 2
+        read = batch * keys * H * (K + V) * 2   # bf16 keys and values
         print(f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {read / t_graph / 1e6:>6.2f} {t_sdpa:>8.1f} {t_flex:>8.1f} "
               f"{diff:>9.1e}")
 
