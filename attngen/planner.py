@@ -304,7 +304,7 @@ class ChunkedLaunch(Launch):
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
-    bwd_wy_warps: int = knob("bwd", "warps", (4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
+    bwd_wy_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
     bwd_wu_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of W, U0 and the keys from the forward's (I + A)^-1 where the backward reuses it (its chunk divides the forward's)
     bwd_states_BV: int = knob("bwd", "block", (16, 32, 64, 128))  # value lanes per program of the backward's sequential state-gradient pass
     bwd_dq_BV: int = knob("bwd", "block", (32, 64, 128))  # value lanes of the value loop of the backward's dq step (chunked_bwd_dq_kernel)
@@ -630,8 +630,30 @@ def fit_softmax(call: Call, launch: SoftmaxLaunch) -> SoftmaxLaunch:
 def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms: int) -> Launch:
     """The default launch of a kernel family (LAUNCHES) for a call on a GPU of `sms` multiprocessors."""
     if family == "chunked":
-        return chunked_launch(spec, call, dtype)
+        return fill_programs(family, spec, call, chunked_launch(spec, call, dtype), sms)
     return softmax_launch(call, dtype, sms)
+
+
+def fill_programs(family: str, spec: Spec, call: Call, launch: Launch, sms: int) -> Launch:
+    """A launch taken to a call it was not tuned for (the default, or a table's entry for the
+    nearest bucket) with the delta rules' sequential state passes (forward and backward: one
+    program per sequence, head and value block, each walking every chunk) split into narrower
+    value blocks while twice their programs still fit in one wave of `sms` multiprocessors.
+    gated_deltanet B1 T32768 H16 K = V = 128 bf16 on the H200 (bench/probe_launch.py, BENCHMARKS.md
+    2026-12-04, third run): both passes by 16 lanes (128 programs) against the B4 T8192 entry's 64
+    and 32 (32 and 64 programs), fwd 1.746 -> 1.368 ms, fwd+bwd 7.528 -> 6.500 (the forward state
+    pass 2441 -> 1575 us). Not the additive rules: their state pass reloads the chunk's keys per
+    value block and is no longer latency-bound (mamba2 there 2.395 -> 3.333 ms at 16 lanes)."""
+    if family != "chunked" or spec.update != "delta":
+        return launch
+    rows = call.num_seqs * call.heads * lanes(call.value_dim)
+
+    def narrowed(BV: int) -> int:
+        while BV > 16 and 2 * rows // BV <= sms:
+            BV //= 2
+        return BV
+    return dataclasses.replace(launch, states_BV=narrowed(launch.states_BV),
+                               bwd_states_BV=narrowed(launch.bwd_states_BV))
 
 
 def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: Launch,

@@ -8,7 +8,8 @@ a JSON file for one GPU, compute capability and Triton version: shipped with the
 default $ATTNGEN_CACHE/tune; it overrides a shipped entry of the same key). Its entries are keyed by
 kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUDA device:
 - a hit is used, with no search;
-- a miss takes the nearest tuned bucket of the same head dims, else the planner's default, and
+- a miss takes the nearest tuned bucket of the same head dims (the delta rules' state passes
+  narrowed to fill the GPU, planner.fill_programs), else the planner's default, and
   warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
   searches instead (seconds to minutes, once: the winner is written to the user's table);
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
@@ -346,10 +347,11 @@ def tune_command(spec: Spec, call: Call, dtype: torch.dtype) -> str:
 
 
 def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
-            chunk: int | None = None, search: Callable[[], Entry] | None = None) -> Chosen:
+            chunk: int | None = None, search: Callable[[], Entry] | None = None, sms: int = 132) -> Chosen:
     """The launch of a call on a machine from its tables (the module docstring's rules). default:
     the planner's; search: runs the search of this call's bucket and returns its entry (called on a
-    miss with ATTNGEN_AUTOTUNE=1)."""
+    miss with ATTNGEN_AUTOTUNE=1); sms: the GPU's multiprocessors, which a nearest bucket's launch
+    is filled to (planner.fill_programs)."""
     fit = functools.partial(planner.fit_launch, family, spec, call, dtype, chunk=chunk)
     want = key(spec, family, call, dtype)
     found = tables(mach)
@@ -365,7 +367,7 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
             and k.bucket.distance(want.bucket)[0] <= NEAREST_OCTAVES]
     if near:
         entry, path = found[min(near)[2]]
-        chosen = Chosen(fit(launch=entry.launch),
+        chosen = Chosen(fit(launch=planner.fill_programs(family, spec, call, entry.launch, sms)),
                         f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
     else:
         chosen = Chosen(fit(launch=default), f"default (no tuned {family} launch for this bucket)")
@@ -387,7 +389,7 @@ def choose(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torc
         return Chosen(planner.fit_launch(family, spec, call, dtype, default, chunk),
                       f"default (no tuning tables off CUDA: {torch.device(device).type} tensors)")
     search = functools.partial(_search_call, spec, call, dtype, device, mach)
-    return resolve(spec, family, call, dtype, mach, default, chunk, search)
+    return resolve(spec, family, call, dtype, mach, default, chunk, search, multiprocessors(device))
 
 
 # Call's fields in order: a call travels to _launch_ints as the tuple of their values.

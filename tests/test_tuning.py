@@ -352,6 +352,30 @@ def test_a_miss_takes_the_nearest_bucket_and_warns_once_with_the_command():
         assert resolve(linear_call(T=8192, B=16)).launch == near
 
 
+def test_the_delta_rules_state_passes_fill_the_gpu_where_no_entry_was_tuned():
+    """A launch not tuned for its call (the default, or the nearest bucket's) narrows the delta
+    rules' state passes' value blocks while twice their programs fit in one wave of the GPU's
+    multiprocessors; a hit is taken as tuned, and the additive rules keep theirs."""
+    def fill(call, spec=GDN, sms=132):
+        return planner.default_launch("chunked", spec, call, torch.bfloat16, sms)
+    # B4 H16 V128 (64 rows of 128 lanes): 128 programs at 64 lanes, already a wave
+    assert (fill(linear_call()).states_BV, fill(linear_call()).bwd_states_BV) == (64, 32)
+    # B1: 16 lanes (128 programs); B2: 32 (128); never below 16; on a GPU of 32 multiprocessors less
+    assert (fill(linear_call(B=1)).states_BV, fill(linear_call(B=1)).bwd_states_BV) == (16, 16)
+    assert fill(linear_call(B=2)).states_BV == 32 and fill(linear_call(B=1, H=2)).states_BV == 16
+    assert fill(linear_call(B=1), sms=32).states_BV == 64
+    assert fill(linear_call(B=1), spec=KDA).states_BV == 16
+    assert fill(linear_call(B=1), spec=MAMBA2).states_BV == 64
+    # the B4 T8192 entry taken at B1 T32768 (its nearest bucket) is filled; the entry itself is not
+    tuned = dataclasses.replace(default(linear_call()), states_BV=64, bwd_states_BV=64)
+    tuning.record([entry(linear_call(), tuned)], FAKE)
+    with pytest.warns(UserWarning, match="nearest tuned bucket"):
+        near = resolve(linear_call(B=1, T=32768)).launch
+    assert (near.states_BV, near.bwd_states_BV) == (16, 16)
+    assert dataclasses.replace(near, states_BV=64, bwd_states_BV=64) == tuned
+    assert resolve(linear_call()).launch == tuned
+
+
 def test_a_held_chunk_takes_the_table_silently():
     call = linear_call()
     tuning.record([entry(call, dataclasses.replace(default(call), BV=64))], FAKE)
