@@ -408,16 +408,12 @@ def kernel_launch(spec: Spec, choice: planner.Choice, call: Call, device: torch.
     return form, list(tuning.launch_ints(spec, family, call, dtype, device, chunk)) if family is not None else []
 
 
-# Where SoftmaxLaunch.ints() holds BN (read here, not while torch.compile traces a call).
-_SOFTMAX_BN = planner.SoftmaxLaunch.knobs().index("BN")
-
-
 def cache_launch(spec: Spec, call: Call, rows: int, device: torch.device, dtype: torch.dtype) -> list[int]:
-    """The softmax kernels' launch knobs for a call on a key/value cache of `rows` rows per slot: a
-    query block reads at most rows + BN - 1 of them (a sliding window's first tile starts up to
-    BN - 1 keys before the window), which the split of the keys counts."""
-    BN = tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows)[_SOFTMAX_BN]
-    return list(tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows + BN))
+    """The softmax kernels' launch knobs for a call on a key/value cache of `rows` rows per slot: those
+    of a call with `rows` keys, the table's bucket that `attngen tune --shapes B,rows,H,K,V,Tq` fills (a
+    query block reads up to BN - 1 keys more, a sliding window's first tile starting before the
+    window: softmax_fwd splits that span into the launch's kv_splits parts)."""
+    return list(tuning.launch_ints(spec, "softmax", call, dtype, device, k_len=rows))
 
 
 def runs_as(spec: Spec, choice: planner.Choice, call: Call, backend_name: str, device: torch.device | str = "cpu",

@@ -601,7 +601,10 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer)
         report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
         prepare = _compiler(module, run.args) if compiling.applies(torch.device(device)) else None
-        found = search(default, fit, measure, passes, report, budget_s=budget_s, prepare=prepare)
+        # queries fewer than the keys (decode against a cache, ",Tq" shapes): the forward alone, as a
+        # decode step runs it (the backward's knobs stay the default's)
+        timed = ("fwd",) if shape.k_len is not None and shape.q_len < shape.k_len else passes
+        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare)
         entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")

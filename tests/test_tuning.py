@@ -638,6 +638,16 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
     assert chosen.launch == got.launch
 
 
+def test_tune_at_a_decode_shape_times_the_forward_alone():
+    """A softmax decode shape (one query against a longer cache of keys): a decode step runs no
+    backward, so the search times the forward only and the entry keeps the default's backward knobs."""
+    spec = attngen.load_spec(SPECS / "softmax_causal.yaml")
+    shape = Shape(batch=1, q_len=1, k_len=64, heads=2, head_dim=16, value_dim=16)
+    (got,) = tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, timer=lambda fn: (fn(), 1.0)[1],
+                         report=lambda line: None, budget_s=5)
+    assert set(got.ms) == {"fwd"} and got.key.bucket == tuning.Bucket(16, 64, 2, 16, 16)
+
+
 def test_a_warning_names_the_first_line_outside_attngen():
     # two frames of attngen's own between the warning and the caller, as choose -> resolve has
     inside = str(Path(tuning.__file__).parent / "calls.py")
@@ -709,8 +719,11 @@ def test_shipped_tables_are_current(path):
         small = random_inputs(spec, Shape(batch=1, q_len=2, heads=1, head_dim=2, value_dim=2), seed=0)
         shape = parse_shape(entry.shape)
         sizes = {"B": shape.batch, "T": shape.q_len, "H": shape.heads, "K": shape.head_dim, "V": shape.value_dim}
-        inputs = {n: torch.empty(*[sizes[d] for d in _LAYOUT[n, t.dim()]], dtype=torch.bfloat16 if n in "qkv" else
-                                 t.dtype, device="meta") for n, t in small.items() if (n, getattr(t, "ndim", 0)) in _LAYOUT}
+        # a decode shape's keys and values (and decays) are longer than its queries
+        keys = dict(sizes, T=shape.k_len or shape.q_len)
+        inputs = {n: torch.empty(*[(sizes if n == "q" else keys)[d] for d in _LAYOUT[n, t.dim()]],
+                                 dtype=torch.bfloat16 if n in "qkv" else t.dtype, device="meta")
+                  for n, t in small.items() if (n, getattr(t, "ndim", 0)) in _LAYOUT}
         call = runtime.check_call(attngen.load(spec), inputs)
         assert entry.key.bucket == tuning.bucket(call), entry.spec
         dtype = getattr(torch, entry.key.dtype)
