@@ -4,13 +4,17 @@ fla's fused recurrent gated delta rule (initial_state in, final state out: its d
 graph, when fla is installed), outputs compared.
 
     python bench/decode.py [--batch 1,64,256] [--slots 512]
-    python bench/decode.py --softmax [--batch 1,64] [--keys 32768]
+    python bench/decode.py --softmax [--batch 1,64] [--keys 32768] [--host]
 
 --softmax: softmax_causal's decode step (op.prepare_decode on a StateCache whose slots hold --keys - 1
 keys: each step appends one and attends to --keys, split over the keys), eager and from a graph, each
 step with the cache lengths set back (a fill_ of B ints, in the timed call) so every step reads the
 same keys; against SDPA and FlexAttention (compiled) of one query on [B, H, keys, D] contiguous keys
 and values; the effective cache bandwidth (keys and values read once) of the graph of one step.
+
+--host (with --softmax): per batch, where the eager step's host time goes: the step's wall time per call
+on the host (no sync; the GPU runs behind), and the part of it spent inside each Triton launch
+(kv_append_kernel, softmax_fwd_kernel, softmax_combine_kernel) and in the cache lengths' fill_.
 
 Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
 and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
@@ -20,7 +24,9 @@ step) of the graph of one step. The first line gives the floor: a graph of one t
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +34,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
+from attngen import runtime  # noqa: E402
 
 H, K, V = 16, 128, 128
 STEPS = 16
@@ -90,13 +97,79 @@ def softmax_decode(batches: list[int], keys: int) -> None:
               f"{diff:>9.1e}")
 
 
+class _Timed:
+    """A Triton kernel whose launches add their host time to `spent[name]`."""
+
+    def __init__(self, kernel, name: str, spent: dict):
+        self.kernel, self.name, self.spent = kernel, name, spent
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = launch(*args, **kwargs)
+            self.spent[self.name] = self.spent.get(self.name, 0.0) + time.perf_counter() - start
+            return out
+        return timed
+
+
+def softmax_decode_host(batches: list[int], keys: int, calls: int = 2000) -> None:
+    """Where the eager softmax decode step's host time goes (see the header)."""
+    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "softmax_causal.yaml")
+    module = runtime.kernels_for(op)
+    names = ("kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel")
+    print(f"softmax_causal decode host time per step (us), one query against {keys} keys, H{H} D{K} bf16, "
+          f"median over {calls} calls of blocks of 100")
+    print(f"{'B':>5} {'step':>7} {'fill_':>7} " + " ".join(f"{n.removesuffix('_kernel'):>14}" for n in names)
+          + f" {'rest':>7}")
+    for batch in map(int, batches):
+        cache = attngen.StateCache(op, slots=batch, heads=H, head_dim=K, value_dim=V, device="cuda",
+                                   dtype=torch.bfloat16, max_len=keys)
+        cache.lengths.fill_(keys - 1)
+        slots = torch.arange(batch, device="cuda", dtype=torch.int32)
+        q, k, v = (torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, K, V))
+        spent: dict = {}
+        originals = {n: getattr(module, n) for n in names}
+        try:
+            for n in names:
+                setattr(module, n, _Timed(originals[n], n, spent))
+            with torch.no_grad():
+                step = op.prepare_decode(cache, batch, dtype=torch.bfloat16)
+                step(q, k, v, slots=slots)
+                torch.cuda.synchronize()
+                rows = []
+                for _ in range(calls // 100):
+                    spent.clear()
+                    t_fill = t_step = 0.0
+                    for _ in range(100):
+                        start = time.perf_counter()
+                        cache.lengths.fill_(keys - 1)
+                        mid = time.perf_counter()
+                        step(q, k, v, slots=slots)
+                        end = time.perf_counter()
+                        t_fill, t_step = t_fill + mid - start, t_step + end - mid
+                    torch.cuda.synchronize()
+                    rows.append((t_step, t_fill, *(spent.get(n, 0.0) for n in names)))
+        finally:
+            for n in names:
+                setattr(module, n, originals[n])
+        med = [statistics.median(r[i] for r in rows) * 1e6 / 100 for i in range(2 + len(names))]
+        rest = med[0] - sum(med[2:])
+        print(f"{batch:>5} {med[0]:>7.1f} {med[1]:>7.1f} " + " ".join(f"{x:>14.1f}" for x in med[2:]) + f" {rest:>7.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default=None, help="default 1,64,256 (--softmax: 1,64)")
     parser.add_argument("--slots", type=int, default=512)
     parser.add_argument("--softmax", action="store_true", help="softmax_causal's decode against SDPA and Flex")
     parser.add_argument("--keys", type=int, default=32768, help="--softmax: the keys each query attends to")
+    parser.add_argument("--host", action="store_true", help="--softmax: where the eager step's host time goes")
     args = parser.parse_args()
+    if args.softmax and args.host:
+        softmax_decode_host((args.batch or "1,64").split(","), args.keys)
+        return
     if args.softmax:
         softmax_decode((args.batch or "1,64").split(","), args.keys)
         return
