@@ -314,8 +314,8 @@ class DecodeStep:
     and contiguity with the prepared ones (host metadata, about a microsecond: a mismatch would
     read the wrong elements) and launches the kernels, with no host sync: capturable in a CUDA
     graph. A linear op's step launches the token loop alone and returns `out`, the same tensor
-    every call (no allocation); a softmax op's appends the keys and attends (flash-decoding),
-    allocating its output and the split partials (in a CUDA graph, from the graph's pool).
+    every call (no allocation); a softmax op's appends the keys and attends (flash-decoding) and
+    returns its output, also the same tensor every call (it and the split partials allocated here).
     ATTNGEN_VALIDATE=1 when the step is prepared makes each call check everything, the slot
     values too (a host sync)."""
 
@@ -365,8 +365,13 @@ class DecodeStep:
             self._omega = op.features(K, device, torch.float32)
             self._run = module.recurrent_launch(N, T, HC, K, V, cache.feature_dim, N, False, True, True, True, HC // H)
         elif module is not None:
-            self._run = module.cached_forward
-            self._launch = op.cache_launch(call, cache.k.shape[1], device, dtype)
+            # the kernels' launches fixed once on tensors of the step's shapes (their values unread)
+            like = {n: torch.empty(s, dtype=dtype if n in ("q", "k", "v") else torch.float32, device=device)
+                    for n, s in self.shapes.items()}
+            launch = op.cache_launch(call, cache.k.shape[1], device, dtype)
+            slots = torch.empty(N, dtype=torch.int32, device=device)
+            self._run = module.cached_launch(*cached_softmax_args(
+                spec, cache, like["q"], like["k"], like["v"], like.get("g"), slots, None, self.scale, T, launch))
 
     def _check_inputs(self, inputs: dict, scale) -> Call:
         if self.op.spec.is_linear:
@@ -392,8 +397,7 @@ class DecodeStep:
                 return self.op(q, k, v, g, beta, scale=self.scale, cache=cache, slots=slots, form="recurrent")[0]
             return self.op(q, k, v, g, scale=self.scale, cache=cache, slots=slots)
         if self.out is None:
-            return self._run(*cached_softmax_args(self.op.spec, cache, q, k, v, g, slots, None, self.scale,
-                                                  self.tokens, self._launch))
+            return self._run(q, k, v, g, slots)
         state = cache.state
         self._run(q, k, v, g, beta, self._omega, state, self.out, state, None, slots, cache.num_slots, self.scale)
         return self.out

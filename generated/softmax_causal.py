@@ -285,49 +285,69 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     the callers' merges of float64 outputs need it to float64 precision). With kv_slots [N] and
     kv_lens [S], k and v are a cache [S, L, HK, *] whose slot kv_slots[n] holds sequence n's
     kv_lens[slot] keys (KV_CACHE)."""
-    B, Tq, H, K = q.shape
-    Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     if cu_seqlens is None:
-        N, max_len = B, Tq
+        N, max_len = q.shape[0], q.shape[1]
     else:
         N, max_len = cu_seqlens.numel() - 1, packed_max_len(cu_seqlens, max_len)
-    is_fp64 = q.dtype == torch.float64
+    q, qk_scale = softmax_scaled(q, scale)
+    run, o, lse = softmax_fwd_launch(q, k, v, N, max_len, cu_seqlens is not None, kv_slots is not None, launch)
+    run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale)
+    return o, lse
+
+
+def softmax_scaled(q, scale):
+    """(q, qk_scale): the scale in log2 units as the kernel's float argument; float64 inputs carry it
+    in q instead (a Triton float argument is float32: folded into q, float64 stays exact), and 1."""
     qk_scale = scale * LOG2E
-    if is_fp64:
-        # a Triton float argument is float32: fold the scale into q to keep float64 exact
-        q, qk_scale = q * qk_scale, 1.0
+    if q.dtype == torch.float64:
+        return q * qk_scale, 1.0
+    return q, qk_scale
+
+
+def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
+    """The forward's launch for calls shaped as q, k, v (softmax_fwd's; N sequences, the longest
+    max_len; varlen: packed by cu_seqlens; cached: k and v are a cache; launch a SoftmaxLaunch), its
+    grids, blocks and constexprs fixed here once, and its outputs allocated: (run, o, lse), where
+    run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale) launches softmax_fwd_kernel and the split merge,
+    writing o and lse, the same tensors every call (a prepared decode step's; qk_scale the scale in
+    log2 units, 1 for float64 inputs, whose q carries it)."""
+    B, Tq, H, K = q.shape
+    Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
+    is_fp64 = q.dtype == torch.float64
     # Triton's interpreter (the CPU) multiplies bfloat16 tiles in tl.dot as raw integer bit
     # patterns (Triton 3.9, numpy has no bfloat16): there the operands go up to float32, exactly
     upcast_dot = interpreted() and q.dtype == torch.bfloat16
     BK, BV = max(16, pow2_ceil(K)), max(16, pow2_ceil(V))
     BM, BN = launch.BM, launch.BN
     o = v.new_empty(B, Tq, H, V)
-    lse = q.new_empty((B, H, Tq) if cu_seqlens is None else (H, Tq), dtype=softmax_lse_dtype(q.dtype))
+    lse = q.new_empty((H, Tq) if varlen else (B, H, Tq), dtype=softmax_lse_dtype(q.dtype))
     # the keys a query block reads: Tk; from a cache of L = Tk rows per slot, at most L + BN - 1 (a
     # sliding window's first tile starts up to BN - 1 keys before the window)
-    span = Tk + BN if kv_slots is not None else Tk
+    span = Tk + BN if cached else Tk
     # the split forward reads dense sequences: packed ones are not split
-    splits, split_len = (1, Tk) if cu_seqlens is not None else softmax_kv_split_len(span, launch.kv_splits, BN)
+    splits, split_len = (1, Tk) if varlen else softmax_kv_split_len(span, launch.kv_splits, BN)
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
     acc = torch.float64 if is_fp64 else torch.float32
     o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
     lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = ceil_div(max_len, BM)
-    softmax_fwd_kernel[(n_blocks * N * H, splits)](
-        q, k, v, o_run, lse_run, cu_seqlens, kv_slots, kv_lens,
-        Tq, Tk, k.shape[0], Tk, H, HK, K, V, qk_scale, n_blocks, split_len, B * Tq * H * V, B * H * Tq,
-        BM=BM, BN=BN, BK=BK, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
-        DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-        LAST_FIRST=bool(launch.last_first), KV_CACHE=kv_slots is not None, num_warps=launch.warps,
-        num_stages=launch.stages,
-    )
-    if splits > 1:
-        softmax_combine_kernel[(B * Tq * H,)](
-            o_run, lse_run, o, lse, Tq, splits, H, V, B * Tq * H * V, B * H * Tq,
-            BS=max(2, pow2_ceil(splits)), BV=BV, num_warps=4,
-        )
-    return o, lse
+    grid = (n_blocks * N * H, splits)
+    # Tq, Tk, S, L, H, HK, K, V; after qk_scale, the blocks and the partials' strides
+    dims = (Tq, Tk, k.shape[0], Tk, H, HK, K, V)
+    rest = (n_blocks, split_len, B * Tq * H * V, B * H * Tq)
+    meta = dict(BM=BM, BN=BN, BK=BK, BV=BV, IS_VARLEN=varlen, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
+                DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
+                LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, num_warps=launch.warps,
+                num_stages=launch.stages)
+    merge_meta = dict(BS=max(2, pow2_ceil(splits)), BV=BV, num_warps=4)
+
+    def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale):
+        softmax_fwd_kernel[grid](q, k, v, o_run, lse_run, cu_seqlens, kv_slots, kv_lens, *dims, qk_scale,
+                                 *rest, **meta)
+        if splits > 1:
+            softmax_combine_kernel[(B * Tq * H,)](o_run, lse_run, o, lse, Tq, splits, H, V, *rest[2:], **merge_meta)
+
+    return run, o, lse
 
 
 @triton.jit
@@ -376,18 +396,35 @@ def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens,
     sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
     advanced by each sequence's length), then its queries attend to the slot's keys (launch a
     SoftmaxLaunch) -> o, lse."""
+    run, o, lse = softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                                        launch)
+    run(q, k, v, None, kv_slots)
+    return o, lse
+
+
+def softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """softmax_cached_fwd's launches fixed once for calls shaped as this one, on this cache (and
+    cu_seqlens): (run, o, lse), where run(q, k, v, g, kv_slots) appends and attends (g unused: None), writing
+    o and lse, the same tensors every call, and returns o (a prepared decode step's call)."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    S, L = k_cache.shape[0], k_cache.shape[1]
     KC, VC = HK * K, HK * V
     BKC, BVC = pow2_ceil(KC), pow2_ceil(VC)
     # [BT, BKC] tiles of at most 8192 elements
     BT = max(1, min(64, 8192 // max(BKC, BVC)))
-    kv_append_kernel[(N,)](
-        k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, k_cache.shape[0], k_cache.shape[1], KC, VC,
-        BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4,
-    )
-    return softmax_fwd(q, k_cache, v_cache, None, cu_seqlens, scale, max_len, launch, kv_slots, kv_lens)
+    append_meta = dict(BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4)
+    max_len = T if cu_seqlens is None else packed_max_len(cu_seqlens, max_len)
+    attend, o, lse = softmax_fwd_launch(q, k_cache, v_cache, N, max_len, cu_seqlens is not None, True, launch)
+
+    def run(q, k, v, g, kv_slots):
+        kv_append_kernel[(N,)](k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, S, L, KC, VC, **append_meta)
+        q_run, qk_scale = softmax_scaled(q, scale)
+        attend(q_run, k_cache, v_cache, cu_seqlens, kv_slots, kv_lens, qk_scale)
+        return o
+
+    return run, o, lse
 # ---------------------------------------------------------------------------- softmax backward
 # FlashAttention-2 backward (Dao 2023, Algorithm 2), in three launches:
 #   1. softmax_bwd_preprocess_kernel: delta = rowsum(o * do) - dlse per query, and the forward's
@@ -831,6 +868,14 @@ def cached_forward(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, sca
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     return softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
                               softmax_launch(launch))[0]
+
+
+def cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
+    """The serving call's kernels fixed once for calls shaped as this one, on this cache
+    (softmax_cached_launch; launch the op's launch ints; q, k, v and kv_slots give shapes only):
+    run(q, k, v, g, kv_slots) -> o, the same tensor every call (attngen.serving.DecodeStep's)."""
+    return softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
+                                 softmax_launch(launch))[0]
 
 
 # ---------------------------------------------------------------------------- the backward

@@ -2,6 +2,7 @@
 batch, prefilled in pieces and decoded token by token through their cache slots, equal one
 forward over each whole sequence; a prepared decode step does nothing on the host but launch the
 kernel; bad use is a clear error. Kernels run through Triton's interpreter on tiny shapes."""
+import functools
 import random
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import runtime
+from attngen import runtime, tuning
 from attngen.reference import reference
 from attngen.testing import Shape, random_inputs, rel_error, tolerance
 
@@ -94,7 +95,7 @@ def serve_continuously(op, reqs, plan, cache, step, free, seed, pad):
             for i, r in enumerate(rows):
                 if r is None:
                     continue
-                # a linear op's step returns the same tensor every call
+                # a step returns the same tensor every call
                 outs[r].append(o[i:i + 1].clone())
                 done[r] += 1
                 if done[r] == plan[r][0]:
@@ -429,6 +430,45 @@ def test_softmax_continuous_batching(name, backend):
         assert_attends_like_oracle(op.spec, reqs[r], outs[r], f"request {r}")
     # slots 1 and 3 were never handed out: padding stored nothing
     assert cache.lengths[[1, 3]].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
+    """A prepared softmax step's call reads tensor metadata and launches the append, the split
+    forward and the merge of its partials, in place on the cache, into buffers allocated when it
+    was prepared: no allocation, no copy, no host read of a tensor; it returns the same output
+    tensor every call."""
+    op = softmax_op(name)
+    module = runtime.kernels_for(op)
+    launches = []
+
+    class Launcher:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((self.name, args, meta))
+
+    for kernel in ("kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel"):
+        monkeypatch.setattr(module, kernel, Launcher(kernel))
+    cache = softmax_cache(op, 4, **({} if op.spec.mask == "sliding_window" else dict(max_len=512)))
+    # a GPU of many multiprocessors, for whom the keys of two queries are split
+    monkeypatch.setattr(tuning, "multiprocessors", lambda device: 1024)
+    monkeypatch.setattr(tuning, "_remembered", functools.lru_cache(tuning._remembered.__wrapped__))
+    step = op.prepare_decode(cache, batch=2, heads=HQ)
+    batch = stack([softmax_request(op.spec, 1, seed) for seed in (0, 1)])
+    slots = torch.tensor([3, 1], dtype=torch.int32)
+    with torch.no_grad(), TorchCalls() as calls:
+        o = step(**batch, slots=slots)
+        again = step(**batch, slots=slots)
+    assert set(calls.names) <= HOST_METADATA, sorted(set(calls.names) - HOST_METADATA)
+    assert again is o and tuple(o.shape) == (2, 1, HQ, V)
+    names = [n for n, _, _ in launches]
+    assert names == ["kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel"] * 2, names
+    (_, append, _), (_, attend, meta), (_, merge, _) = launches[:3]
+    assert append[2] is cache.k and append[3] is cache.v and append[4] is slots and append[5] is cache.lengths
+    assert attend[1] is cache.k and attend[2] is cache.v and attend[6] is slots and attend[7] is cache.lengths
+    assert meta["SPLIT"] and meta["KV_CACHE"] and merge[2] is o
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
