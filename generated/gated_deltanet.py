@@ -1782,15 +1782,17 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
         q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
+    # h_c has no reader past step 4a (4b reads dS and U, and 4a's chunk term): its memory goes back before 4b allocates
+    st = st._replace(h=None)
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dk_kernel[(st.n_slots, H)](
         q, k, g, omega, do, st.u, ds, dgc, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
-    # nor dS, U and h_c past step 4
+    # nor dS and U past step 4
     del ds
-    st = st._replace(u=None, h=None)
+    st = st._replace(u=None)
     # step 5: the UT transform's backward -> dk, dv, dβ, dg, at warps of its own (launch.bwd_wy_warps)
     dk, dv, dbeta = torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g)

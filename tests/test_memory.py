@@ -39,11 +39,10 @@ def test_the_backward_releases_what_its_later_steps_do_not_read():
     G = kernel_lib.chunked_state_segments(B * H * D // 64, T, 64)[0]
     ends = (G - 1) * B * H * (D * D + D) * 4
     live = {
-        # step 4b: h_c and dS, U, dU, dW (step 4a's, for the UT step), dq, the output, (I + A)^-1 rows (the
-        # forward's, at its 64-token chunks), step 4's dk̂ (float32), dgq, dg part, the chunk term per
-        # chunk (step 4a's, [chunk slots, H, F] float32)
-        "gated_deltanet": 2 * states(32) + 5 * tok16 + B * T * H * 64 * 2 + tok32 + 2 * B * T * H * 4
-        + (T // 32) * B * H * D * 4,
+        # step 3: h_c and dS, W, the state keys, the queries of step 3, U, dU, the output, (I + A)^-1 rows
+        # (the forward's, at its 64-token chunks), Γ_C per chunk (step 4a, which also holds h_c and dS, has
+        # dq and dW in place of W, the state keys and the queries; h_c is released before 4b allocates)
+        "gated_deltanet": 2 * states(32) + 6 * tok16 + B * T * H * 64 * 2 + (T // 32) * B * H * 4,
         # step 3: h_c, the state keys, Γ_C, dU (float32), the queries of step 3, dS, dv, the output
         "mamba2": 2 * states(64) + (T // 64) * B * H * 4 + 4 * tok16 + tok32 + ends,
         # step 3: h_c and the normalizer's column z_c, the state keys, dU (float32), the queries of step 3
