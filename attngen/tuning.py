@@ -347,7 +347,7 @@ def tune_command(spec: Spec, call: Call, dtype: torch.dtype) -> str:
 
 
 def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
-            chunk: int | None = None, search: Callable[[], Entry] | None = None, sms: int = 132) -> Chosen:
+            chunk: int | None = None, search: Callable[[], Entry] | None = None, *, sms: int) -> Chosen:
     """The launch of a call on a machine from its tables (the module docstring's rules). default:
     the planner's; search: runs the search of this call's bucket and returns its entry (called on a
     miss with ATTNGEN_AUTOTUNE=1); sms: the GPU's multiprocessors, which a nearest bucket's launch
@@ -389,7 +389,7 @@ def choose(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torc
         return Chosen(planner.fit_launch(family, spec, call, dtype, default, chunk),
                       f"default (no tuning tables off CUDA: {torch.device(device).type} tensors)")
     search = functools.partial(_search_call, spec, call, dtype, device, mach)
-    return resolve(spec, family, call, dtype, mach, default, chunk, search, multiprocessors(device))
+    return resolve(spec, family, call, dtype, mach, default, chunk, search, sms=multiprocessors(device))
 
 
 # Call's fields in order: a call travels to _launch_ints as the tuple of their values.

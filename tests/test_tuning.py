@@ -29,6 +29,7 @@ LINEAR_ELU_SUM = attngen.load_spec(SPECS / "linear_transformer.yaml")
 PERFORMER = attngen.load_spec(SPECS / "performer.yaml")
 MAMBA2_L2 = attngen.load_spec({"name": "mamba2_l2", "attention": "linear", "decay": "scalar", "qk_norm": "l2"})
 FAKE = tuning.Machine("NVIDIA Fake GPU", "9.0", "3.6.0")
+SMS = 132   # the fake GPU's multiprocessors
 
 
 def linear_call(B=4, T=8192, H=16, K=128, V=128) -> Call:
@@ -58,7 +59,7 @@ def default(call: Call, dtype=torch.bfloat16, spec=GDN) -> planner.ChunkedLaunch
 
 
 def resolve(call: Call, dtype=torch.bfloat16, chunk=None, search=None, mach=FAKE, spec=GDN) -> tuning.Chosen:
-    return tuning.resolve(spec, "chunked", call, dtype, mach, default(call, dtype, spec), chunk, search)
+    return tuning.resolve(spec, "chunked", call, dtype, mach, default(call, dtype, spec), chunk, search, sms=SMS)
 
 
 def no_search():
@@ -356,7 +357,7 @@ def test_the_delta_rules_state_passes_fill_the_gpu_where_no_entry_was_tuned():
     """A launch not tuned for its call (the default, or the nearest bucket's) narrows the delta
     rules' state passes' value blocks while twice their programs fit in one wave of the GPU's
     multiprocessors; a hit is taken as tuned, and the additive rules keep theirs."""
-    def fill(call, spec=GDN, sms=132):
+    def fill(call, spec=GDN, sms=SMS):
         return planner.default_launch("chunked", spec, call, torch.bfloat16, sms)
     # B4 H16 V128 (64 rows of 128 lanes): 128 programs at 64 lanes, already a wave
     assert (fill(linear_call()).states_BV, fill(linear_call()).bwd_states_BV) == (64, 32)
@@ -634,7 +635,7 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         chosen = tuning.resolve(spec, "chunked", call, torch.float32, FAKE,
-                                planner.chunked_launch(spec, call, torch.float32), search=no_search)
+                                planner.chunked_launch(spec, call, torch.float32), search=no_search, sms=SMS)
     assert chosen.launch == got.launch
 
 
