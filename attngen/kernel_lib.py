@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 
@@ -24,7 +25,7 @@ __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ce
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype"]
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype", "tile_descriptor"]
 
 LOG2E = 1.4426950408889634
 
@@ -277,3 +278,17 @@ def packed_max_len(cu_seqlens, max_len):
     """The longest packed sequence: max_len when the caller knows it, else read back from
     cu_seqlens (a device sync)."""
     return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def tile_descriptor(x, rows):
+    """A tensor descriptor (TMA, Hopper's bulk tensor copies) of x [.., heads, dim] contiguous, read as
+    [tokens, heads * dim] in tiles of `rows` tokens by one whole head ([rows, dim] at column head * dim),
+    or None where the copy engine cannot take x: 16-bit inputs only, dim a power of two from 16 to 256
+    (a tile is one head, no masked lanes), the base 16-byte aligned. Rows past the last token read as
+    zeros; rows past a sequence's end inside the tensor are the next sequence's, which the kernels mask."""
+    dim = x.shape[-1]
+    if (x.element_size() != 2 or dim < 16 or dim > 256 or dim & (dim - 1) or not x.is_contiguous()
+            or x.data_ptr() % 16):
+        return None
+    flat = x.view(-1, x.shape[-2] * dim)
+    return TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [rows, dim])

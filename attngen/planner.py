@@ -325,10 +325,12 @@ class SoftmaxLaunch(Launch):
     stages: int = knob("fwd", "stages", (1, 2, 3, 4))  # software-pipeline stages of the forward
     last_first: int = knob("fwd", "flag", (0, 1))  # a head's last query block launches first
     kv_splits: int = knob("fwd", "splits", (1, 2, 4, 8, 16, 32))  # programs sharing one query block's keys
+    tma: int = knob("fwd", "flag", (0, 1))  # the forward's key and value tiles by the copy engine (tensor descriptors)
     dq_BM: int = knob("bwd", "block", (64, 128))  # query rows per program of the dq pass
     dq_BN: int = knob("bwd", "block", (32, 64, 128))  # keys per tile of the dq pass
     dq_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dq pass
     dq_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dq pass
+    dq_tma: int = knob("bwd", "flag", (0, 1))  # the dq pass's key and value tiles by the copy engine (tensor descriptors)
     dkdv_BN: int = knob("bwd", "block", (64, 128))  # keys per program of the dk/dv pass
     dkdv_BM: int = knob("bwd", "block", (32, 64, 128))  # query rows per tile of the dk/dv pass
     dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
@@ -600,8 +602,8 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
         bwd[kernel] = block, tile, bwd_warps, 2
     return fit_softmax(call, SoftmaxLaunch(
         BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
-        kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms),
-        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3],
+        kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=0,
+        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=0,
         dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2], dkdv_stages=bwd["dkdv"][3],
     ))
 

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor, softmax_lse_dtype)
+from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor, softmax_lse_dtype,
+                                tile_descriptor)
 
 SPEC_NAME = "softmax_bidirectional"
 SPEC_HASH = "036a90a8a89426e7"
@@ -60,13 +61,13 @@ def softmax_fwd_tiles(
     # carried
     b_acc, b_l, b_m, b_q, o_pos,
     # pointers
-    k, v,
+    k, v, k_desc, v_desc,
     # dims
     k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale, L,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CACHE: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_CACHE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold the key tiles starting in [lo, hi) into the online softmax of one query block.
     MASKED tiles straddle a mask edge or the end of the keys; the others are allowed in full."""
@@ -76,16 +77,26 @@ def softmax_fwd_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of the keys and values (HK heads: query head i_h reads key head i_hk); a cache's
-        # position p at row p % L of the slot
-        if KV_CACHE:
-            i_tok = (k_bos + o_n % L) * HK + i_hk
+        if TMA:
+            # [BN, BK] keys and [BN, BV] values of head i_hk by the copy engine (tile_descriptor: whole
+            # heads, BK == K and BV == V); rows past the sequence's end (a masked tile's) are the next
+            # sequence's: their values are zeroed, as the pointer loads' are, so no NaN or inf of another
+            # sequence reaches this one through a zero weight
+            b_kt = tl.trans(k_desc.load([(k_bos + i_s).to(tl.int32), i_hk * K])).to(DOT)
+            b_v = v_desc.load([(k_bos + i_s).to(tl.int32), i_hk * V]).to(DOT)
+            if MASKED:
+                b_v = tl.where(m_n[:, None], b_v, 0.0)
         else:
-            i_tok = (k_bos + o_n) * HK + i_hk
-        # [BK, BN] keys, loaded transposed
-        b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
-        # [BN, BV]
-        b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
+            # rows of the keys and values (HK heads: query head i_h reads key head i_hk); a cache's
+            # position p at row p % L of the slot
+            if KV_CACHE:
+                i_tok = (k_bos + o_n % L) * HK + i_hk
+            else:
+                i_tok = (k_bos + o_n) * HK + i_hk
+            # [BK, BN] keys, loaded transposed
+            b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
+            # [BN, BV]
+            b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
@@ -107,15 +118,17 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, o, lse, cu_seqlens, kv_slots, kv_lens,
+    q, k, v, k_desc, v_desc, o, lse, cu_seqlens, kv_slots, kv_lens,
     # dims
     Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr, TMA: tl.constexpr,
 ):
+    # TMA: the key and value tiles come through k_desc, v_desc (tensor descriptors of k and v, the
+    # launch's tma where tile_descriptor takes them), else by pointers
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
     # lse (float64) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
@@ -192,11 +205,11 @@ def softmax_fwd_kernel(
     b_l = tl.zeros([BM], dtype=ACC)
     b_acc = tl.zeros([BM, BV], dtype=ACC)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
-        L, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, KV_CACHE)
+        b_acc, b_l, b_m, b_q, o_pos, k, v, k_desc, v_desc, k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale,
+        L, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, KV_CACHE, TMA)
     b_acc, b_l, b_m = softmax_fwd_tiles(
-        b_acc, b_l, b_m, b_q, o_pos, k, v, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
-        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE)
+        b_acc, b_l, b_m, b_q, o_pos, k, v, k_desc, v_desc, k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale,
+        L, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, KV_CACHE, TMA)
 
     # every real query sees at least its own key; padding rows may have seen none, and so may
     # a real query in a split of keys it does not reach (lse -inf there: the merge weighs it 0)
@@ -250,8 +263,8 @@ def softmax_combine_kernel(
 # backward's passes) as the op takes them, a list of ints in this order: attngen's planner decides
 # them (planner.SoftmaxLaunch: a tuned table's or its defaults, and why) and the launchers only read them.
 SoftmaxLaunch = collections.namedtuple("SoftmaxLaunch", (
-    "BM BN warps stages last_first kv_splits "  # fwd
-    "dq_BM dq_BN dq_warps dq_stages dkdv_BN dkdv_BM dkdv_warps dkdv_stages"  # bwd
+    "BM BN warps stages last_first kv_splits tma "  # fwd
+    "dq_BM dq_BN dq_warps dq_stages dq_tma dkdv_BN dkdv_BM dkdv_warps dkdv_stages"  # bwd
 ))
 
 
@@ -335,10 +348,16 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
                 LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, num_warps=launch.warps,
                 num_stages=launch.stages)
     merge_meta = dict(BS=max(2, pow2_ceil(splits)), BV=BV, num_warps=4)
+    # the key and value tiles by the copy engine where the launch says so (tma) and tile_descriptor takes
+    # k and v; a cache's rows are a ring, read by pointers
+    tma = bool(launch.tma) and not cached
 
     def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale):
-        softmax_fwd_kernel[grid](q, k, v, o_run, lse_run, cu_seqlens, kv_slots, kv_lens, *dims, qk_scale,
-                                 *rest, **meta)
+        k_desc, v_desc = (tile_descriptor(k, BN), tile_descriptor(v, BN)) if tma else (None, None)
+        if k_desc is None or v_desc is None:
+            k_desc = v_desc = None
+        softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, o_run, lse_run, cu_seqlens, kv_slots, kv_lens, *dims,
+                                 qk_scale, *rest, TMA=k_desc is not None, **meta)
         if splits > 1:
             softmax_combine_kernel[(B * Tq * H,)](o_run, lse_run, o, lse, Tq, splits, H, V, *rest[2:], **merge_meta)
 
@@ -404,13 +423,13 @@ def softmax_bwd_dq_tiles(
     # carried
     b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos,
     # pointers
-    k, v,
+    k, v, k_desc, v_desc,
     # dims
     k_bos, Tk_seq, i_h, i_hk, lo, hi, qk_scale,
     H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold the key tiles starting in [lo, hi) into dq (and the row sums of dS) of one query
     block. MASKED tiles straddle a mask edge or the end of the keys."""
@@ -420,12 +439,25 @@ def softmax_bwd_dq_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of the keys and values (key head i_hk), and of G (query head i_h)
-        i_tok = (k_bos + o_n) * HK + i_hk
+        # rows of G (query head i_h)
         i_gk = (k_bos + o_n) * H + i_h
-        # [BK, BN] keys and [BV, BN] values, loaded transposed
-        b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
-        b_vt = tl.load(v + i_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_n[None, :], other=0.0).to(DOT)
+        if TMA:
+            # [BN, BK] keys and [BN, BV] values of head i_hk by the copy engine (tile_descriptor), used
+            # transposed; a masked tile's rows past the sequence's end (the next sequence's) zeroed, as
+            # the pointer loads' are: both enter products with a zero weight (dS, P) there
+            b_k = k_desc.load([(k_bos + i_s).to(tl.int32), i_hk * K]).to(DOT)
+            b_v = v_desc.load([(k_bos + i_s).to(tl.int32), i_hk * V]).to(DOT)
+            if MASKED:
+                b_k = tl.where(m_n[:, None], b_k, 0.0)
+                b_v = tl.where(m_n[:, None], b_v, 0.0)
+            b_kt = tl.trans(b_k)
+            b_vt = tl.trans(b_v)
+        else:
+            # rows of the keys and values (key head i_hk)
+            i_tok = (k_bos + o_n) * HK + i_hk
+            # [BK, BN] keys and [BV, BN] values, loaded transposed
+            b_kt = tl.load(k + i_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0).to(DOT)
+            b_vt = tl.load(v + i_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_n[None, :], other=0.0).to(DOT)
         # [BM, BN] scores, log2 units
         b_s = tl.dot(b_q, b_kt, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
@@ -444,14 +476,17 @@ def softmax_bwd_dq_tiles(
 @triton.jit
 def softmax_bwd_dq_kernel(
     # pointers
-    q, k, v, do, lse2, delta, dq, cu_seqlens,
+    q, k, v, k_desc, v_desc, do, lse2, delta, dq, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, ds_scale, n_blocks,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    # TMA: the key and value tiles through k_desc, v_desc (the launch's dq_tma where tile_descriptor
+    # takes k and v), else by pointers
     # program -> (sequence x head, query block), a head's blocks neighbours in launch order (they
     # share its keys and values in L2), the last first (the most keys under a causal mask)
     i_pid = tl.program_id(0)
@@ -501,11 +536,11 @@ def softmax_bwd_dq_kernel(
     b_dq = tl.zeros([BM, BK], dtype=ACC)
     b_dgq = tl.zeros([BM], dtype=ACC)
     b_dq, b_dgq = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION)
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v, k_desc, v_desc,
+        k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, TMA)
     b_dq, b_dgq = softmax_bwd_dq_tiles(
-        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v,
-        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION)
+        b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v, k_desc, v_desc,
+        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, TMA)
 
     b_dq = b_dq * ds_scale
     tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & m_k[None, :])
@@ -655,12 +690,16 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN = launch.dq_BM, launch.dq_BN
     dq = q.new_empty(q.shape)
+    # the key and value tiles by the copy engine where the launch says so (dq_tma) and tile_descriptor takes them
+    k_desc, v_desc = (tile_descriptor(k, BN), tile_descriptor(v, BN)) if launch.dq_tma else (None, None)
+    if k_desc is None or v_desc is None:
+        k_desc = v_desc = None
     softmax_bwd_dq_kernel[(ceil_div(max_q, BM) * N * H,)](
-        q_in, k, v, do, lse2, delta, dq, cu_seqlens,
+        q_in, k, v, k_desc, v_desc, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_q, BM),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=launch.dq_warps, num_stages=launch.dq_stages,
+        TMA=k_desc is not None, num_warps=launch.dq_warps, num_stages=launch.dq_stages,
     )
 
     # 3. dk, dv: key blocks of BN, query tiles of BM

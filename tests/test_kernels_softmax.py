@@ -184,3 +184,77 @@ def test_masked_key_tiles_are_not_read(name):
     assert torch.isfinite(o[:, rows]).all()
     assert torch.equal(o[:, rows], clean[:, rows])
     assert torch.isnan(o).any()  # the poison is there for the queries that do see it
+
+
+def _with_tma(op, inputs, tma: int) -> list[int]:
+    """The op's launch for inputs with its knobs tma and dq_tma set (the forward's and the dq pass's key
+    and value tiles by tensor descriptors)."""
+    launch = kernel_launch(op, inputs)[1]
+    fields = codegen.load_module(op.spec).SoftmaxLaunch._fields
+    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = tma
+    return launch
+
+
+@pytest.mark.parametrize("dname", ["bf16", "fp16"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "fewer_queries", "gqa"])
+@pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
+def test_tma_tiles_equal_pointer_loads(name, case, dname):
+    """The key and value tiles through tensor descriptors (launch knobs tma, dq_tma) give the pointer
+    loads' outputs and lse bit for bit and their gradients: partial last tiles, packed sequences, Tq < Tk,
+    shared key heads."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
+             "varlen": Shape(batch=1, q_len=153, heads=2, head_dim=16, value_dim=32, cu_seqlens=(0, 1, 66, 83, 153)),
+             "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=16),
+             "gqa": Shape(batch=2, q_len=40, heads=4, kv_heads=2, head_dim=16, value_dim=16)}[case]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
+    inputs = random_inputs(op.spec, shape, seed=3)
+    inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    q, k, v, g, cu = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
+    assert module.tile_descriptor(k, 16) is not None
+    scale = op.spec.default_scale(q.shape[-1])
+    runs = [module.forward(q, k, v, g, cu, scale, None, _with_tma(op, inputs, tma)) for tma in (0, 1)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert rel_error(runs[1][0], reference(op.spec, **inputs)) < 2e-2
+    o, lse = runs[0]
+    do = torch.randn_like(o)
+    grads = [module.backward(q, k, v, g, cu, scale, None, _with_tma(op, inputs, tma), o, lse, do, None)
+             for tma in (0, 1)]
+    # the gradients to a rounding of the dots' sums (the interpreter multiplies a transposed tile as a
+    # strided array: its sums may round apart by an ulp of the 16-bit output)
+    for a, b in zip(*grads):
+        assert (a is None and b is None) or float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())
+
+
+@pytest.mark.parametrize("name", ["causal", "forgetting"])
+def test_tma_tiles_read_no_other_sequence(name):
+    """A partial last key tile read by the copy engine holds the next sequence's first rows: NaN and inf
+    there (keys and values) leave this sequence's outputs as they were."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=70, heads=2, head_dim=16, value_dim=16), seed=5)
+    inputs = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    launch = _with_tma(op, inputs, 1)
+    q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
+    scale = op.spec.default_scale(16)
+    clean = module.forward(q, k, v, g, None, scale, None, launch)[0]
+    k2, v2 = k.clone(), v.clone()
+    k2[1], v2[1, ::2], v2[1, 1::2] = float("nan"), float("inf"), float("-inf")
+    o, lse = module.forward(q, k2, v2, g, None, scale, None, launch)
+    assert torch.equal(o[0], clean[0])
+    # the dq pass reads the keys and values as the forward does
+    do = torch.randn_like(o)
+    dq = module.backward(q, k, v, g, None, scale, None, launch, o, lse, do, None)[0]
+    dq2 = module.backward(q, k2, v2, g, None, scale, None, launch, o, lse, do, None)[0]
+    assert torch.equal(dq[0], dq2[0])
+
+
+def test_tile_descriptor_takes_only_whole_aligned_16_bit_heads():
+    x = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
+    assert attngen.kernel_lib.tile_descriptor(x, 32) is not None
+    assert attngen.kernel_lib.tile_descriptor(x.float(), 32) is None           # 32-bit
+    assert attngen.kernel_lib.tile_descriptor(x[..., :48], 32) is None          # not a power of two, strided
+    assert attngen.kernel_lib.tile_descriptor(x.transpose(1, 2), 32) is None    # not contiguous
+    misaligned = torch.zeros(x.numel() + 8, dtype=torch.bfloat16)[1:1 + x.numel()].view(x.shape)
+    assert attngen.kernel_lib.tile_descriptor(misaligned, 32) is None

@@ -467,7 +467,9 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     assert names == ["kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel"] * 2, names
     (_, append, _), (_, attend, meta), (_, merge, _) = launches[:3]
     assert append[2] is cache.k and append[3] is cache.v and append[4] is slots and append[5] is cache.lengths
-    assert attend[1] is cache.k and attend[2] is cache.v and attend[6] is slots and attend[7] is cache.lengths
+    assert attend[1] is cache.k and attend[2] is cache.v and attend[8] is slots and attend[9] is cache.lengths
+    # a cache's rows are a ring: read by pointers, not tensor descriptors
+    assert attend[3] is None and attend[4] is None and not meta["TMA"]
     assert meta["SPLIT"] and meta["KV_CACHE"] and merge[2] is o
 
 
