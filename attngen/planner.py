@@ -335,6 +335,7 @@ class SoftmaxLaunch(Launch):
     dkdv_BM: int = knob("bwd", "block", (32, 64, 128))  # query rows per tile of the dk/dv pass
     dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
     dkdv_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dk/dv pass
+    dkdv_tma: int = knob("bwd", "flag", (0, 1))  # the dk/dv pass's query and output-gradient tiles by the copy engine
 
 
 # The kernel families with launch knobs, by the name tables and `attngen tune` give them.
@@ -583,6 +584,11 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     else:
         warps, stages = 4 if max(BK, BV) <= 64 else 8, 2
     programs = -(-max_q // BM) * call.num_seqs * call.heads
+    # 16-bit keys and values by the copy engine (tensor descriptors; the launcher falls back to pointers
+    # where tile_descriptor cannot take them: head dims not a power of two, a cache's ring): on the H200,
+    # B4 T8192 H16 D128 bf16, softmax_causal's forward 2.785 -> 2.369 ms, sliding_window 1024's 0.781 ->
+    # 0.677, forgetting_attention's 3.999 -> 3.495 (BENCHMARKS.md 2026-12-04, fourth run)
+    tma = int(size == 2)
     # The backward: a program's block holds its resident tiles and two float32 (float64)
     # accumulators of BK + BV columns within 64 KiB of registers; a stage of the inner tiles it
     # streams (BK + BV columns in the input dtype) within 32 KiB of shared memory. 16-bit inputs up
@@ -602,9 +608,10 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
         bwd[kernel] = block, tile, bwd_warps, 2
     return fit_softmax(call, SoftmaxLaunch(
         BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
-        kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=0,
-        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=0,
+        kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=tma,
+        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=tma,
         dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2], dkdv_stages=bwd["dkdv"][3],
+        dkdv_tma=tma,
     ))
 
 

@@ -264,7 +264,7 @@ def softmax_combine_kernel(
 # them (planner.SoftmaxLaunch: a tuned table's or its defaults, and why) and the launchers only read them.
 SoftmaxLaunch = collections.namedtuple("SoftmaxLaunch", (
     "BM BN warps stages last_first kv_splits tma "  # fwd
-    "dq_BM dq_BN dq_warps dq_stages dq_tma dkdv_BN dkdv_BM dkdv_warps dkdv_stages"  # bwd
+    "dq_BM dq_BN dq_warps dq_stages dq_tma dkdv_BN dkdv_BM dkdv_warps dkdv_stages dkdv_tma"  # bwd
 ))
 
 
@@ -551,26 +551,38 @@ def softmax_bwd_dkdv_tiles(
     # carried
     b_dk, b_dv, b_dgk, b_k, b_v, o_n,
     # pointers
-    q, do, lse2, delta,
+    q, do, q_desc, do_desc, lse2, delta,
     # dims
     q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, hi, qk_scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """Fold the query tiles starting in [lo, hi) into dk, dv (and the column sums of dS) of one
-    key block. MASKED tiles straddle a mask edge; padding queries carry lse2 = +inf (P = 0)."""
+    key block. MASKED tiles straddle a mask edge or the end of the queries; padding queries carry
+    lse2 = +inf (P = 0)."""
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     for i_t in range(lo, hi, BM):
         o_m = i_t + tl.arange(0, BM)
         m_m = o_m < Tq_seq
-        i_q = (q_bos + o_m) * H + i_h
-        # [BK, BM] queries, loaded transposed; [BM, BV] output gradients
-        b_qt = tl.load(q + i_q[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_m[None, :], other=0.0).to(DOT)
-        b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :], other=0.0).to(DOT)
+        if TMA:
+            # [BM, BK] queries and [BM, BV] output gradients of head i_h by the copy engine
+            # (tile_descriptor), the queries used transposed; a masked tile's rows past the sequence's
+            # end (the next sequence's: only masked tiles reach past it) zeroed, as the pointer loads' are
+            b_q = q_desc.load([(q_bos + i_t).to(tl.int32), i_h * K]).to(DOT)
+            b_do = do_desc.load([(q_bos + i_t).to(tl.int32), i_h * V]).to(DOT)
+            if MASKED:
+                b_q = tl.where(m_m[:, None], b_q, 0.0)
+                b_do = tl.where(m_m[:, None], b_do, 0.0)
+            b_qt = tl.trans(b_q)
+        else:
+            i_q = (q_bos + o_m) * H + i_h
+            # [BK, BM] queries, loaded transposed; [BM, BV] output gradients
+            b_qt = tl.load(q + i_q[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_m[None, :], other=0.0).to(DOT)
+            b_do = tl.load(do + i_q[:, None] * V + o_v[None, :], mask=m_m[:, None] & m_v[None, :], other=0.0).to(DOT)
         # [BM]
         b_lse2 = tl.load(lse2 + o_lse + o_m, mask=m_m, other=float("inf"))
         b_delta = tl.load(delta + o_lse + o_m, mask=m_m, other=0.0)
@@ -591,14 +603,17 @@ def softmax_bwd_dkdv_tiles(
 @triton.jit
 def softmax_bwd_dkdv_kernel(
     # pointers
-    q, k, v, do, lse2, delta, dk, dv, cu_seqlens,
+    q, k, v, q_desc, do_desc, do, lse2, delta, dk, dv, cu_seqlens,
     # dims
     Tq, Tk, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, ds_scale, n_blocks,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    # TMA: the query and output-gradient tiles through q_desc, do_desc (the launch's dkdv_tma where
+    # tile_descriptor takes them), else by pointers
     # program -> (sequence x key head, key block), a head's blocks neighbours in launch order (they
     # share its queries in L2), the first first (the most queries under a causal mask)
     i_pid = tl.program_id(0)
@@ -632,9 +647,15 @@ def softmax_bwd_dkdv_kernel(
     b_k = tl.load(k + i_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(DOT)
     b_v = tl.load(v + i_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
 
-    # query tiles: all, unmasked (padding queries have P = 0, padding keys are not stored)
+    # query tiles: all, unmasked (padding queries have P = 0, padding keys are not stored), but with
+    # TMA a last one past the sequence's end (below)
+    lo = 0
     i_full = 0
     i_edge = Tq_seq
+    hi = Tq_seq
+    if TMA:
+        # the copy engine reads whole tiles: a last one past the sequence's end is a masked one
+        i_edge = tl.maximum(tl.minimum(i_edge, Tq_seq // BM * BM), i_full)
 
     # [BN, BK] dk, [BN, BV] dv
     b_dk = tl.zeros([BN, BK], dtype=ACC)
@@ -648,8 +669,11 @@ def softmax_bwd_dkdv_kernel(
         # [BN] minus the column sums of dS of query head i_h (the decay bias)
         b_dgk = tl.zeros([BN], dtype=ACC)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, o_n, q, do, lse2, delta,
-            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION)
+            b_dk, b_dv, b_dgk, b_k, b_v, o_n, q, do, q_desc, do_desc, lse2, delta,
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION, TMA)
+        b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
+            b_dk, b_dv, b_dgk, b_k, b_v, o_n, q, do, q_desc, do_desc, lse2, delta,
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION, TMA)
 
     b_dk = b_dk * ds_scale
     tl.store(dk + i_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
@@ -705,12 +729,17 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     # 3. dk, dv: key blocks of BN, query tiles of BM
     BN, BM = launch.dkdv_BN, launch.dkdv_BM
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+    # the query and output-gradient tiles by the copy engine where the launch says so (dkdv_tma) and
+    # tile_descriptor takes them
+    q_desc, do_desc = (tile_descriptor(q_in, BM), tile_descriptor(do, BM)) if launch.dkdv_tma else (None, None)
+    if q_desc is None or do_desc is None:
+        q_desc = do_desc = None
     softmax_bwd_dkdv_kernel[(ceil_div(max_k, BN) * N * HK,)](
-        q_in, k, v, do, lse2, delta, dk, dv, cu_seqlens,
+        q_in, k, v, q_desc, do_desc, do, lse2, delta, dk, dv, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_k, BN),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,
+        TMA=q_desc is not None, num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,
     )
     if is_fp64:
         # dq = scale dS k; dk = scale dS^T q = dS^T q_in / log2(e)

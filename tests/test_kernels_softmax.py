@@ -187,11 +187,11 @@ def test_masked_key_tiles_are_not_read(name):
 
 
 def _with_tma(op, inputs, tma: int) -> list[int]:
-    """The op's launch for inputs with its knobs tma and dq_tma set (the forward's and the dq pass's key
-    and value tiles by tensor descriptors)."""
+    """The op's launch for inputs with its knobs tma, dq_tma and dkdv_tma set (the forward's and the dq
+    pass's key and value tiles, the dk/dv pass's query and output-gradient tiles by tensor descriptors)."""
     launch = kernel_launch(op, inputs)[1]
     fields = codegen.load_module(op.spec).SoftmaxLaunch._fields
-    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = tma
+    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = launch[fields.index("dkdv_tma")] = tma
     return launch
 
 
@@ -243,11 +243,15 @@ def test_tma_tiles_read_no_other_sequence(name):
     k2[1], v2[1, ::2], v2[1, 1::2] = float("nan"), float("inf"), float("-inf")
     o, lse = module.forward(q, k2, v2, g, None, scale, None, launch)
     assert torch.equal(o[0], clean[0])
-    # the dq pass reads the keys and values as the forward does
+    # the dq pass reads the keys and values as the forward does; the dk/dv pass the queries and output
+    # gradients of a partial last tile
     do = torch.randn_like(o)
-    dq = module.backward(q, k, v, g, None, scale, None, launch, o, lse, do, None)[0]
-    dq2 = module.backward(q, k2, v2, g, None, scale, None, launch, o, lse, do, None)[0]
-    assert torch.equal(dq[0], dq2[0])
+    grads = module.backward(q, k, v, g, None, scale, None, launch, o, lse, do, None)
+    q2, do2 = q.clone(), do.clone()
+    q2[1], do2[1] = float("nan"), float("inf")
+    poisoned = module.backward(q2, k2, v2, g, None, scale, None, launch, o, lse, do2, None)
+    for a, b in zip(grads[:3], poisoned[:3]):
+        assert torch.equal(a[0], b[0])
 
 
 def test_tile_descriptor_takes_only_whole_aligned_16_bit_heads():

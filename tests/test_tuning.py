@@ -111,9 +111,12 @@ def test_defaults_are_the_measured_launches():
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
     assert default(call, torch.float32).stages == 2
     soft = planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.bfloat16, 132)
-    assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=0, dq_BM=128,
-                                         dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=0, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
-                                         dkdv_stages=2)
+    assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=1, dq_BM=128,
+                                         dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=1, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
+                                         dkdv_stages=2, dkdv_tma=1)
+    # the copy engine's tiles are 16-bit ones
+    assert planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.float32,
+                                  132).tma == 0
     # decode: one query block per sequence and head, the keys split for two programs per multiprocessor
     decode = planner.softmax_launch(Call(1, 1, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16),
                                     torch.bfloat16, 132)
@@ -124,7 +127,7 @@ def test_a_launch_is_checked_naming_the_knob():
     with pytest.raises(ValueError, match="ChunkedLaunch.chunk: 48 is not allowed; allowed: 16, 32, 64"):
         dataclasses.replace(default(linear_call()), chunk=48)
     with pytest.raises(ValueError, match="SoftmaxLaunch.BM: 24 is not allowed; allowed: a power of two"):
-        planner.SoftmaxLaunch(*([24] + [1] * 15))
+        planner.SoftmaxLaunch(*([24] + [1] * 16))
     with pytest.raises(ValueError, match="ChunkedLaunch.states_warps: True"):
         dataclasses.replace(default(linear_call()), states_warps=True)
 
