@@ -9,7 +9,8 @@ The baseline comes from the spec's semantics, where one computes the same functi
   chunk_simple_gla with g_gamma, vector -> chunk_gla, none -> chunk_linear_attn (with elu + 1
   features and normalize sum: chunk_linear_attn normalize=True on the features);
 - softmax: SDPA (causal or no mask, no decay; grouped-query heads included) and FlexAttention
-  (the matching block mask, end-aligned; the forgetting decay as a score_mod).
+  (the matching block mask, end-aligned; the forgetting decay as a score_mod); the forgetting
+  decay (causal or sliding window, Tq = Tk) also fla parallel_forgetting_attn.
 Other specs (other feature maps, FAVOR+, ...) run attngen alone. Without a GPU, or without the
 baseline's package, the command says so in one line.
 """
@@ -94,6 +95,13 @@ def _softmax_baselines(spec: Spec, shape: Shape, scale: float, device) -> list[B
             F.scaled_dot_product_attention(*(heads_first(t[n]) for n in "qkv"), is_causal=causal, scale=scale,
                                            **({"enable_gqa": True} if gqa else {})))))
     off, window = Tk - Tq, spec.window
+    # fla's forgetting attention: log forget gates g [B, T, H], causal or a window, queries and keys alike
+    if spec.decay == "scalar" and spec.mask in ("causal", "sliding_window") and Tq == Tk:
+        def fla_forgetting(t):
+            from fla.ops.forgetting_attn import parallel_forgetting_attn
+            return parallel_forgetting_attn(t["q"], t["k"], t["v"], t["g"], scale=scale,
+                                            window_size=window if spec.mask == "sliding_window" else None)
+        out.append(Baseline("fla parallel_forgetting_attn", "fla", fla_forgetting))
 
     def block_mask():
         from torch.nn.attention.flex_attention import create_block_mask

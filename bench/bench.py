@@ -38,6 +38,7 @@ CASES = {
     "decode_flex": ("softmax_causal", "{B},{T},{H},{D},{D},1", ("flex",)),
     "gqa_flex": ("softmax_causal", "{B},{T},32,{D},{D},{T},8", ("flex",)),
     "sliding_window": ("sliding_window", "{B},{T},{H},{D},{D}", ("flex",)),
+    "forgetting": ("forgetting_attention", "{B},{T},{H},{D},{D}", ("fla", "flex")),
 }
 
 

@@ -27,7 +27,7 @@ BASELINE_NAMES = {
     "softmax_causal": ["SDPA causal", "FlexAttention causal"],
     "softmax_bidirectional": ["SDPA", "FlexAttention no mask"],
     "sliding_window": ["FlexAttention window 1024"],
-    "forgetting_attention": ["FlexAttention causal + decay score_mod"],
+    "forgetting_attention": ["fla parallel_forgetting_attn", "FlexAttention causal + decay score_mod"],
 }
 
 
@@ -52,6 +52,13 @@ def test_user_specs_get_the_baseline_of_their_semantics():
     assert [b.name for b in bench.baselines(causal, decode, 0.1, "cpu", ("sdpa",))] == ["SDPA"]
     prefill = parse_shape("1,8192,16,128,128,4096")
     assert [b.name for b in bench.baselines(causal, prefill, 0.1, "cpu")] == ["FlexAttention causal"]
+    # the forgetting decay: fla's op takes queries and keys alike (no end-aligned Tq < Tk) and a window
+    forgetting = attngen.load_spec(SPECS / "forgetting_attention.yaml")
+    assert [b.name for b in bench.baselines(forgetting, prefill, 0.1, "cpu")] == [
+        "FlexAttention causal + decay score_mod"]
+    windowed = attngen.load_spec({"name": "mine", "attention": "softmax", "mask": "sliding_window", "window": 64,
+                                  "decay": "scalar"})
+    assert [b.name for b in bench.baselines(windowed, DENSE, 0.1, "cpu", ("fla",))] == ["fla parallel_forgetting_attn"]
 
 
 def test_shapes_parse_and_print_back():
