@@ -606,7 +606,7 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
             tile = min(64, cap, max(16, _pow2_floor(32768 // ((BK + BV) * size))))
             bwd_warps = 8 if block * (BK + BV) > 4096 else 4
         bwd[kernel] = block, tile, bwd_warps, 2
-    return fit_softmax(call, SoftmaxLaunch(
+    return fit_softmax(call, dtype=dtype, launch=SoftmaxLaunch(
         BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
         kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=tma,
         dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=tma,
@@ -624,16 +624,19 @@ def softmax_kv_splits(programs: int, Tk: int, BN: int, sms: int) -> int:
     return max(1, min(-(-2 * sms // programs), -(-Tk // (2 * BN))))
 
 
-def fit_softmax(call: Call, launch: SoftmaxLaunch) -> SoftmaxLaunch:
+def fit_softmax(call: Call, launch: SoftmaxLaunch, dtype: torch.dtype) -> SoftmaxLaunch:
     """A launch held to what a call can take: blocks no longer than the longest sequence they
     tile, the keys split in at most as many parts as they have tiles, packed calls unsplit (the
-    split forward reads dense sequences)."""
+    split forward reads dense sequences), the copy engine's tiles for 16-bit inputs only (others
+    load by pointers whatever the knobs say: a search need not time them)."""
     q_cap, k_cap = (lanes(n) for n in _softmax_lens(call))
+    copy_engine = int(dtype.itemsize == 2)
     return dataclasses.replace(
         launch, BM=min(launch.BM, q_cap),
         kv_splits=1 if call.varlen else min(launch.kv_splits, -(-call.k_len // launch.BN)),
-        dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap),
-        dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap))
+        tma=launch.tma & copy_engine,
+        dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap), dq_tma=launch.dq_tma & copy_engine,
+        dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap), dkdv_tma=launch.dkdv_tma & copy_engine)
 
 
 def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms: int) -> Launch:
@@ -670,7 +673,7 @@ def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: 
     """A launch of a kernel family held to what a call can take (fit_chunked, fit_softmax)."""
     if family == "chunked":
         return fit_chunked(spec, call, dtype, launch, chunk)
-    return fit_softmax(call, launch)
+    return fit_softmax(call, launch, dtype)
 # Context parallelism (attngen.distributed): ranks hold consecutive time shards of the same
 # sequences and exchange, with one all-gather (its gradient one reduce-scatter in the backward),
 # what each needs from the others. The method follows from the spec:

@@ -40,8 +40,8 @@ def _fit_with_override(spec, call, dtype, launch, chunk=None):
     return planner.fit_stages(spec, call, dtype, dataclasses.replace(launch, **OVERRIDE))
 
 
-def _fit_softmax_with_override(call, launch):
-    launch = _fit_softmax(call, launch)
+def _fit_softmax_with_override(call, launch, dtype):
+    launch = _fit_softmax(call, launch, dtype)
     return dataclasses.replace(launch, **OVERRIDE) if OVERRIDE else launch
 
 

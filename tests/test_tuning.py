@@ -114,9 +114,13 @@ def test_defaults_are_the_measured_launches():
     assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=1, dq_BM=128,
                                          dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=1, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
                                          dkdv_stages=2, dkdv_tma=1)
-    # the copy engine's tiles are 16-bit ones
-    assert planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.float32,
-                                  132).tma == 0
+    # the copy engine's tiles are 16-bit ones: a float32 call's launch holds none, a table's or a search's either
+    call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
+    fp32 = planner.softmax_launch(call, torch.float32, 132)
+    assert (fp32.tma, fp32.dq_tma, fp32.dkdv_tma) == (0, 0, 0)
+    held = planner.fit_launch("softmax", None, call, torch.float32, soft)
+    assert (held.tma, held.dq_tma, held.dkdv_tma) == (0, 0, 0) and held.BM == soft.BM
+    assert planner.fit_launch("softmax", None, call, torch.float16, soft) == soft
     # decode: one query block per sequence and head, the keys split for two programs per multiprocessor
     decode = planner.softmax_launch(Call(1, 1, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16),
                                     torch.bfloat16, 132)
