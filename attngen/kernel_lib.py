@@ -25,7 +25,8 @@ __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ce
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype", "tile_descriptor"]
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype", "tile_descriptor",
+           "tile_descriptors"]
 
 LOG2E = 1.4426950408889634
 
@@ -292,3 +293,11 @@ def tile_descriptor(x, rows):
         return None
     flat = x.view(-1, x.shape[-2] * dim)
     return TensorDescriptor(flat, list(flat.shape), [flat.shape[1], 1], [rows, dim])
+
+
+def tile_descriptors(rows, *xs):
+    """tile_descriptor of each x for a kernel that streams them all by the copy engine or none of them:
+    a tuple of descriptors, or of Nones where one of the xs cannot be taken (the kernel's TMA is then
+    off: descs[0] is None)."""
+    descs = tuple(tile_descriptor(x, rows) for x in xs)
+    return descs if None not in descs else (None,) * len(xs)

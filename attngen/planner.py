@@ -584,11 +584,12 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     else:
         warps, stages = 4 if max(BK, BV) <= 64 else 8, 2
     programs = -(-max_q // BM) * call.num_seqs * call.heads
-    # 16-bit keys and values by the copy engine (tensor descriptors; the launcher falls back to pointers
-    # where tile_descriptor cannot take them: head dims not a power of two, a cache's ring): on the H200,
-    # B4 T8192 H16 D128 bf16, softmax_causal's forward 2.785 -> 2.369 ms, sliding_window 1024's 0.781 ->
-    # 0.677, forgetting_attention's 3.999 -> 3.495 (BENCHMARKS.md 2026-12-04, fourth run)
-    tma = int(size == 2)
+    # The streamed tiles by the copy engine (tensor descriptors; fit_softmax holds them to 16-bit inputs,
+    # and the launchers fall back to pointers where tile_descriptor cannot take a tensor: head dims not a
+    # power of two, a cache's ring): on the H200, B4 T8192 H16 D128 bf16, softmax_causal's forward 2.785 ->
+    # 2.369 ms, sliding_window 1024's 0.781 -> 0.677, forgetting_attention's 3.999 -> 3.495 (BENCHMARKS.md
+    # 2026-12-04, fourth run)
+    tma = 1
     # The backward: a program's block holds its resident tiles and two float32 (float64)
     # accumulators of BK + BV columns within 64 KiB of registers; a stage of the inner tiles it
     # streams (BK + BV columns in the input dtype) within 32 KiB of shared memory. 16-bit inputs up

@@ -31,7 +31,7 @@ import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor, softmax_lse_dtype,
-                                tile_descriptor)
+                                tile_descriptors)
 
 SPEC_NAME = "softmax_causal"
 SPEC_HASH = "dfdb521cefe6f4ba"
@@ -358,9 +358,7 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
     tma = bool(launch.tma) and not cached
 
     def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale):
-        k_desc, v_desc = (tile_descriptor(k, BN), tile_descriptor(v, BN)) if tma else (None, None)
-        if k_desc is None or v_desc is None:
-            k_desc = v_desc = None
+        k_desc, v_desc = tile_descriptors(BN, k, v) if tma else (None, None)
         softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, o_run, lse_run, cu_seqlens, kv_slots, kv_lens, *dims,
                                  qk_scale, *rest, TMA=k_desc is not None, **meta)
         if splits > 1:
@@ -811,9 +809,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     BM, BN = launch.dq_BM, launch.dq_BN
     dq = q.new_empty(q.shape)
     # the key and value tiles by the copy engine where the launch says so (dq_tma) and tile_descriptor takes them
-    k_desc, v_desc = (tile_descriptor(k, BN), tile_descriptor(v, BN)) if launch.dq_tma else (None, None)
-    if k_desc is None or v_desc is None:
-        k_desc = v_desc = None
+    k_desc, v_desc = tile_descriptors(BN, k, v) if launch.dq_tma else (None, None)
     softmax_bwd_dq_kernel[(ceil_div(max_q, BM) * N * H,)](
         q_in, k, v, k_desc, v_desc, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_q, BM),
@@ -827,9 +823,7 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     # the query and output-gradient tiles by the copy engine where the launch says so (dkdv_tma) and
     # tile_descriptor takes them
-    q_desc, do_desc = (tile_descriptor(q_in, BM), tile_descriptor(do, BM)) if launch.dkdv_tma else (None, None)
-    if q_desc is None or do_desc is None:
-        q_desc = do_desc = None
+    q_desc, do_desc = tile_descriptors(BM, q_in, do) if launch.dkdv_tma else (None, None)
     softmax_bwd_dkdv_kernel[(ceil_div(max_k, BN) * N * HK,)](
         q_in, k, v, q_desc, do_desc, do, lse2, delta, dk, dv, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_k, BN),

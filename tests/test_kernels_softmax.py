@@ -212,7 +212,7 @@ def test_tma_tiles_equal_pointer_loads(name, case, dname):
     inputs = random_inputs(op.spec, shape, seed=3)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     q, k, v, g, cu = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
-    assert module.tile_descriptor(k, 16) is not None
+    assert attngen.kernel_lib.tile_descriptor(k, 16) is not None
     scale = op.spec.default_scale(q.shape[-1])
     runs = [module.forward(q, k, v, g, cu, scale, None, _with_tma(op, inputs, tma)) for tma in (0, 1)]
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
