@@ -129,9 +129,12 @@ def _decay_score_mod(g: torch.Tensor, off: int):
     """FlexAttention's score_mod of the forgetting decay: the bias sum_{i=j+1..t} g_i = G_t - G_j of
     G the cumulative floored log decay, g [B, Tk, H], queries aligned to the end of the keys."""
     G = torch.cumsum(g.float().clamp(min=LOG_DECAY_FLOOR), 1).transpose(1, 2)   # [B, H, Tk]
+    # two tensors, each indexed once: FlexAttention's backward does not take a score_mod indexing
+    # one tensor that requires gradients twice (its gradient reaches g through both)
+    G_q, G_k = G.clone(), G.clone()
 
     def score_mod(score, b, h, q, kv):
-        return score + G[b, h, q + off] - G[b, h, kv]
+        return score + G_q[b, h, q + off] - G_k[b, h, kv]
     return score_mod
 
 
@@ -350,6 +353,9 @@ def bench_case(spec: Spec, shape: Shape, dtype: torch.dtype, device, bwd: bool, 
                     note=f"failed: {type(e).__name__}: {str(e)[:160]}"))
             continue
         add(row(base.name, t, peak_mib=peak, rel_diff=diff))
+        if profile_kernels and cuda:
+            for kernel, us in profile(step(lambda: base.fn(inputs), bwd, inputs))[:8]:  # noqa: B023
+                report(f"    {us:9.1f} us  {kernel[:90]}")
     return rows
 
 

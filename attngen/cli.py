@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="baselines, comma-separated: fla, sdpa, flex, or none (default: all that apply)")
     p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
     p.add_argument("--bwd", action="store_true", help="time forward + backward (default: forward)")
-    p.add_argument("--profile", action="store_true", help="attngen's GPU kernels and their time under each row")
+    p.add_argument("--profile", action="store_true", help="each implementation's GPU kernels and their time under its row")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw time against sequence length (one shape given: T from 1K to 128K at its B*T)")
     p.set_defaults(fn=cmd_bench)

@@ -6,7 +6,7 @@ decode (one query against the cache) and grouped-query heads (H 32 over 8).
 
 Prints `attngen bench`'s table: ms, the ratio to the baseline, TFLOP/s, the fraction of the memory
 floor (bytes of inputs and outputs at the measured copy bandwidth), peak memory, and the relative
-difference of the baseline's output from attngen's; --profile lists attngen's kernels under its rows.
+difference of the baseline's output from attngen's; --profile lists each implementation's kernels under its row.
 """
 from __future__ import annotations
 
