@@ -56,7 +56,9 @@ FORMS = ('parallel',)
 # the sequence's first token, so a NaN or inf gate stays in its sequence, with g raised to the
 # log-decay floor, so a reset g = -inf gives a bias of about the floor, not NaN). G arrives as
 # float32 pairs g_hi + g_lo and the bias is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): accurate
-# to about an ulp of the bias itself however large G grows, and the backward's bits.
+# to about an ulp of the bias itself however large G grows. Tiles whose keys all precede their
+# queries take it through G at the tile's last key: per query and per key a term of the bias's
+# sign, one add per pair.
 # KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
 # a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
 # this call's own appended first by kv_append_kernel; G too, a cache [S, L, H] of pairs, position p at row p % L.
@@ -113,7 +115,20 @@ def softmax_fwd_tiles(
             i_gk = (k_bos + o_n) * H + i_h
         b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
         b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
-        b_s += (b_ghq[:, None] - b_ghk[None, :]) + (b_glq[:, None] - b_glk[None, :])
+        if MASKED:
+            # keys and queries interleave: each pair's bias from the pairs
+            b_s += (b_ghq[:, None] - b_ghk[None, :]) + (b_glq[:, None] - b_glk[None, :])
+        else:
+            # every key at or before every query: through G at the tile's last key r, the bias
+            # (G[p] - G[r]) + (G[r] - G[j]) of two terms of its sign and at most its size (as
+            # accurate), one add per pair
+            if KV_CACHE:
+                i_gr = (k_bos + (i_s + BN - 1) % L) * H + i_h
+            else:
+                i_gr = (k_bos + i_s + BN - 1) * H + i_h
+            b_ghr = tl.load(g_hi + i_gr)
+            b_glr = tl.load(g_lo + i_gr)
+            b_s += ((b_ghq - b_ghr) + (b_glq - b_glr))[:, None] + ((b_ghr - b_ghk) + (b_glr - b_glk))[None, :]
         if MASKED:
             m_s = m_n[None, :] & (o_n[None, :] <= o_pos[:, None])
             b_s = tl.where(m_s, b_s, float("-inf"))
@@ -576,7 +591,11 @@ def softmax_cached_launch(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_
 # Scalar decay: G, the inclusive cumsum of g along each sequence, comes from the launcher as
 # float32 pairs G = g_hi + g_lo (softmax_decay_pairs, as in the forward); the bias of query
 # position p on key j is (g_hi[p] - g_hi[j]) + (g_lo[p] - g_lo[j]): float32 arithmetic, accurate
-# to about an ulp of the bias itself however large G grows, and the same bits in every kernel.
+# to about an ulp of the bias itself however large G grows. The dkdv kernel's tiles whose queries
+# all follow its keys take it, as the forward does, through G at the block's last real key r:
+# (G[p] - G[r]) + (G[r] - G[j]), two terms of the bias's sign and at most its size, so as
+# accurate, one add per pair (in the dq kernel it measured no faster: B4 T8192 H16 D128 bf16 on
+# the H200, 4268-4334 us with the pairs, 4369-4441 through r; BENCHMARKS.md 2026-12-04, fifth run).
 # Its gradient: dS adds +rowsum(dS) to dG at each query's key position (dq kernel) and
 # -colsum(dS) to dG at each key (dkdv kernel); the launcher turns dG into dg by a reverse cumsum
 # per sequence. A gate below the log-decay floor gets dg = 0 up to rounding: every pair its bias
@@ -762,7 +781,7 @@ def softmax_bwd_dq_kernel(
 @triton.jit
 def softmax_bwd_dkdv_tiles(
     # carried
-    b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n,
+    b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n,
     # pointers
     q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
     # dims
@@ -805,7 +824,11 @@ def softmax_bwd_dkdv_tiles(
         o_pos = o_m + (Tk_seq - Tq_seq)
         b_ghq = tl.load(g_hi + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
         b_glq = tl.load(g_lo + (k_bos + o_pos) * H + i_h, mask=m_m, other=0.0)
-        b_st += (b_ghq[None, :] - b_ghk[:, None]) + (b_glq[None, :] - b_glk[:, None])
+        if MASKED:
+            b_st += (b_ghq[None, :] - b_ghk[:, None]) + (b_glq[None, :] - b_glk[:, None])
+        else:
+            # every query at or after every key: through G at the block's last real key r
+            b_st += ((b_ghr - b_ghk) + (b_glr - b_glk))[:, None] + ((b_ghq - b_ghr) + (b_glq - b_glr))[None, :]
         if MASKED:
             m_s = o_n[:, None] <= o_pos[None, :]
             b_st = tl.where(m_s, b_st, float("-inf"))
@@ -898,14 +921,18 @@ def softmax_bwd_dkdv_kernel(
         i_gk = (k_bos + o_n) * H + i_h
         b_ghk = tl.load(g_hi + i_gk, mask=m_n, other=0.0)
         b_glk = tl.load(g_lo + i_gk, mask=m_n, other=0.0)
+        # G at the block's last real key: the reference of the unmasked tiles' bias
+        i_gr = (k_bos + tl.minimum(i_j * BN + BN, Tk_seq) - 1) * H + i_h
+        b_ghr = tl.load(g_hi + i_gr)
+        b_glr = tl.load(g_lo + i_gr)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
+            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
             q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION, TMA)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
+            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
             q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION, TMA)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
-            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
+            b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
             q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION, TMA)
         tl.store(dgk + i_gk, b_dgk, mask=m_n)
 
