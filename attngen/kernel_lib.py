@@ -25,8 +25,8 @@ __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ce
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_lse_dtype", "tile_descriptor",
-           "tile_descriptors"]
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
+           "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "tile_descriptor", "tile_descriptors"]
 
 LOG2E = 1.4426950408889634
 
@@ -301,3 +301,85 @@ def tile_descriptors(rows, *xs):
     off: descs[0] is None)."""
     descs = tuple(tile_descriptor(x, rows) for x in xs)
     return descs if None not in descs else (None,) * len(xs)
+
+# --------------------------------------------------------------------------- softmax helpers
+# Spec-independent parts of the softmax kernels' forward and backward (the generated modules import them).
+
+@triton.jit
+def softmax_combine_kernel(
+    # pointers
+    o_part, lse_part, o, lse,
+    # dims
+    Tq, S, H: tl.constexpr, V: tl.constexpr, o_split_stride, lse_split_stride,
+    # meta
+    BS: tl.constexpr, BV: tl.constexpr,
+):
+    """Merge the split-KV partials of one query row (token x head): o = sum_s w_s o_s with
+    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s)."""
+    i_row = tl.program_id(0)
+    i_tok, i_h = i_row // H, i_row % H
+    i_b, i_t = i_tok // Tq, i_tok % Tq
+    o_s = tl.arange(0, BS)
+    o_v = tl.arange(0, BV)
+    m_s, m_v = o_s < S, o_v < V
+    # [BS] the partial lse (natural log) of each split
+    o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
+    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf")).to(tl.float64)
+    b_max = tl.max(b_lse, 0)
+    b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
+    b_sum = tl.sum(b_w, 0)
+    # [BS, BV]
+    o_row = i_row.to(tl.int64) * V
+    b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
+                  mask=m_s[:, None] & m_v[None, :], other=0.0)
+    b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
+    tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
+    tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
+
+
+def softmax_kv_split_len(Tk, splits, BN):
+    """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
+    if splits <= 1:
+        return 1, Tk
+    split_len = ceil_div(ceil_div(Tk, splits), BN) * BN
+    return ceil_div(Tk, split_len), split_len
+
+
+def softmax_scaled(q, scale):
+    """(q, qk_scale): the scale in log2 units as the kernel's float argument; float64 inputs carry it
+    in q instead (a Triton float argument is float32: folded into q, float64 stays exact), and 1."""
+    qk_scale = scale * LOG2E
+    if q.dtype == torch.float64:
+        return q * qk_scale, 1.0
+    return q, qk_scale
+
+
+@triton.jit
+def softmax_bwd_preprocess_kernel(
+    # pointers
+    o, do, lse, dlse, delta, lse2,
+    # dims
+    Tq, H: tl.constexpr, V: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """delta = rowsum(o * do) - dlse (HAS_DLSE: a gradient reached the lse) and lse2 = lse * log2(e),
+    all [B, H, Tq] ([H, T] packed: B = 1)."""
+    i_bh, i_t = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    ACC = tl.float64 if IS_FP64 else tl.float32
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_v = tl.arange(0, BV)
+    m_t, m_v = o_t < Tq, o_v < V
+    i_tok = (i_b.to(tl.int64) * Tq + o_t) * H + i_h
+    # [BT, BV]
+    b_o = tl.load(o + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
+    b_do = tl.load(do + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
+    i_row = (i_b.to(tl.int64) * H + i_h) * Tq + o_t
+    # [BT]
+    b_delta = tl.sum(b_o * b_do, 1)
+    if HAS_DLSE:
+        b_delta -= tl.load(dlse + i_row, mask=m_t, other=0.0).to(ACC)
+    tl.store(delta + i_row, b_delta, mask=m_t)
+    b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
+    tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)

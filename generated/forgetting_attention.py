@@ -31,7 +31,8 @@ import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (LOG2E, ceil_div, floor_log_decay, interpreted, packed_max_len, pow2_ceil, pow2_floor,
-                                softmax_lse_dtype, tile_descriptors)
+                                softmax_bwd_preprocess_kernel, softmax_combine_kernel, softmax_kv_split_len,
+                                softmax_lse_dtype, softmax_scaled, tile_descriptors)
 
 SPEC_NAME = "forgetting_attention"
 SPEC_HASH = "782b1e2a242bbd2b"
@@ -267,38 +268,6 @@ def softmax_fwd_kernel(
     tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
 
 
-@triton.jit
-def softmax_combine_kernel(
-    # pointers
-    o_part, lse_part, o, lse,
-    # dims
-    Tq, S, H: tl.constexpr, V: tl.constexpr, o_split_stride, lse_split_stride,
-    # meta
-    BS: tl.constexpr, BV: tl.constexpr,
-):
-    """Merge the split-KV partials of one query row (token x head): o = sum_s w_s o_s with
-    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s)."""
-    i_row = tl.program_id(0)
-    i_tok, i_h = i_row // H, i_row % H
-    i_b, i_t = i_tok // Tq, i_tok % Tq
-    o_s = tl.arange(0, BS)
-    o_v = tl.arange(0, BV)
-    m_s, m_v = o_s < S, o_v < V
-    # [BS] the partial lse (natural log) of each split
-    o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
-    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf")).to(tl.float64)
-    b_max = tl.max(b_lse, 0)
-    b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
-    b_sum = tl.sum(b_w, 0)
-    # [BS, BV]
-    o_row = i_row.to(tl.int64) * V
-    b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
-                  mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
-    tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
-    tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
-
-
 # The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
 # backward's passes) as the op takes them, a list of ints in this order: attngen's planner decides
 # them (planner.SoftmaxLaunch: a tuned table's or its defaults, and why) and the launchers only read them.
@@ -314,14 +283,6 @@ def softmax_launch(launch):
         raise ValueError(f"launch: expected {len(SoftmaxLaunch._fields)} ints ({', '.join(SoftmaxLaunch._fields)}), "
                          f"got {list(launch)!r}")
     return SoftmaxLaunch(*launch)
-
-
-def softmax_kv_split_len(Tk, splits, BN):
-    """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
-    if splits <= 1:
-        return 1, Tk
-    split_len = ceil_div(ceil_div(Tk, splits), BN) * BN
-    return ceil_div(Tk, split_len), split_len
 
 
 @triton.jit
@@ -405,15 +366,6 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     run, o, lse = softmax_fwd_launch(q, k, v, N, max_len, cu_seqlens is not None, kv_slots is not None, launch)
     run(q, k, v, g_hi, g_lo, cu_seqlens, kv_slots, kv_lens, qk_scale)
     return o, lse
-
-
-def softmax_scaled(q, scale):
-    """(q, qk_scale): the scale in log2 units as the kernel's float argument; float64 inputs carry it
-    in q instead (a Triton float argument is float32: folded into q, float64 stays exact), and 1."""
-    qk_scale = scale * LOG2E
-    if q.dtype == torch.float64:
-        return q * qk_scale, 1.0
-    return q, qk_scale
 
 
 def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
@@ -607,37 +559,6 @@ def softmax_cached_launch(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_
 # Glossary: BM queries, BN keys per program block or inner tile (dq: a block of BM queries,
 # tiles of BN keys; dkdv: a block of BN keys, tiles of BM queries); delta = rowsum(o * do) - dlse;
 # lse2 = lse in log2 units (scores are in log2 units: log2(e) folded into the scale and into G).
-
-@triton.jit
-def softmax_bwd_preprocess_kernel(
-    # pointers
-    o, do, lse, dlse, delta, lse2,
-    # dims
-    Tq, H: tl.constexpr, V: tl.constexpr,
-    # meta
-    BT: tl.constexpr, BV: tl.constexpr, IS_FP64: tl.constexpr, HAS_DLSE: tl.constexpr,
-):
-    """delta = rowsum(o * do) - dlse (HAS_DLSE: a gradient reached the lse) and lse2 = lse * log2(e),
-    all [B, H, Tq] ([H, T] packed: B = 1)."""
-    i_bh, i_t = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    ACC = tl.float64 if IS_FP64 else tl.float32
-    o_t = i_t * BT + tl.arange(0, BT)
-    o_v = tl.arange(0, BV)
-    m_t, m_v = o_t < Tq, o_v < V
-    i_tok = (i_b.to(tl.int64) * Tq + o_t) * H + i_h
-    # [BT, BV]
-    b_o = tl.load(o + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
-    b_do = tl.load(do + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
-    i_row = (i_b.to(tl.int64) * H + i_h) * Tq + o_t
-    # [BT]
-    b_delta = tl.sum(b_o * b_do, 1)
-    if HAS_DLSE:
-        b_delta -= tl.load(dlse + i_row, mask=m_t, other=0.0).to(ACC)
-    tl.store(delta + i_row, b_delta, mask=m_t)
-    b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
-    tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)
-
 
 @triton.jit
 def softmax_bwd_dq_tiles(
