@@ -2,7 +2,8 @@
 call (the log-decay floor, the dot operands' rounding and precision, FAVOR+'s exponents) and the
 host-side policy of their launchers (dot precision and decay dtype per input dtype, the dtype of
 the tiles passed between the chunked steps, the slots of packed chunks, the chunk sizes the kernels
-take, the softmax lse's dtype and packed lengths). A generated module imports what it uses from
+take, the softmax lse's dtype, packed lengths, key splits and scale), and the softmax kernels no spec
+changes (the split-KV merge, the backward's preprocess). A generated module imports what it uses from
 here; what differs between specs stays in its template. Imports torch and triton only (and the
 constants of attngen.spec): a generated module used on its own loads none of the compiler.
 
@@ -281,6 +282,23 @@ def packed_max_len(cu_seqlens, max_len):
     return max_len if max_len is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+def softmax_kv_split_len(Tk, splits, BN):
+    """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
+    if splits <= 1:
+        return 1, Tk
+    split_len = ceil_div(ceil_div(Tk, splits), BN) * BN
+    return ceil_div(Tk, split_len), split_len
+
+
+def softmax_scaled(q, scale):
+    """(q, qk_scale): the scale in log2 units as the kernel's float argument; float64 inputs carry it
+    in q instead (a Triton float argument is float32: folded into q, float64 stays exact), and 1."""
+    qk_scale = scale * LOG2E
+    if q.dtype == torch.float64:
+        return q * qk_scale, 1.0
+    return q, qk_scale
+
+
 def tile_descriptor(x, rows):
     """A tensor descriptor (TMA, Hopper's bulk tensor copies) of x [.., heads, dim] contiguous, read as
     [tokens, heads * dim] in tiles of `rows` tokens by one whole head ([rows, dim] at column head * dim),
@@ -302,8 +320,10 @@ def tile_descriptors(rows, *xs):
     descs = tuple(tile_descriptor(x, rows) for x in xs)
     return descs if None not in descs else (None,) * len(xs)
 
-# --------------------------------------------------------------------------- softmax helpers
-# Spec-independent parts of the softmax kernels' forward and backward (the generated modules import them).
+
+# --------------------------------------------------------------------------- softmax kernels
+# The softmax kernels that no spec changes: the merge of split-KV partials and the backward's preprocess.
+
 
 @triton.jit
 def softmax_combine_kernel(
@@ -335,23 +355,6 @@ def softmax_combine_kernel(
     b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
     tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
     tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
-
-
-def softmax_kv_split_len(Tk, splits, BN):
-    """(splits, keys per split) covering Tk keys in about `splits` parts of whole key tiles."""
-    if splits <= 1:
-        return 1, Tk
-    split_len = ceil_div(ceil_div(Tk, splits), BN) * BN
-    return ceil_div(Tk, split_len), split_len
-
-
-def softmax_scaled(q, scale):
-    """(q, qk_scale): the scale in log2 units as the kernel's float argument; float64 inputs carry it
-    in q instead (a Triton float argument is float32: folded into q, float64 stays exact), and 1."""
-    qk_scale = scale * LOG2E
-    if q.dtype == torch.float64:
-        return q * qk_scale, 1.0
-    return q, qk_scale
 
 
 @triton.jit
