@@ -337,9 +337,13 @@ def bench_case(spec: Spec, shape: Shape, dtype: torch.dtype, device, bwd: bool, 
     row = lambda impl, t, **kw: Row(spec.name, label, pass_, impl, t, ms / t, work / t / 1e9,  # noqa: E731
                                     floor_ms / t if floor_ms else None, **kw)
     add(row("attngen", ms, peak_mib=peak, rel_diff=None, first_s=first))
-    if profile_kernels and cuda:
-        for kernel, us in profile(step(ours, bwd, inputs))[:8]:
-            report(f"    {us:9.1f} us  {kernel[:90]}")
+
+    def report_kernels(fn) -> None:
+        # --profile: the implementation's slowest GPU kernels under its row
+        if profile_kernels and cuda:
+            for kernel, us in profile(step(fn, bwd, inputs))[:8]:
+                report(f"    {us:9.1f} us  {kernel[:90]}")
+    report_kernels(ours)
     for base in baselines(spec, shape, call.scale, device, wanted):
         why = missing_package(base.source)
         if why:
@@ -353,9 +357,7 @@ def bench_case(spec: Spec, shape: Shape, dtype: torch.dtype, device, bwd: bool, 
                     note=f"failed: {type(e).__name__}: {str(e)[:160]}"))
             continue
         add(row(base.name, t, peak_mib=peak, rel_diff=diff))
-        if profile_kernels and cuda:
-            for kernel, us in profile(step(lambda: base.fn(inputs), bwd, inputs))[:8]:  # noqa: B023
-                report(f"    {us:9.1f} us  {kernel[:90]}")
+        report_kernels(lambda: base.fn(inputs))  # noqa: B023
     return rows
 
 
