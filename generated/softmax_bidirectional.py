@@ -358,8 +358,6 @@ def softmax_bwd_dq_tiles(
     for i_s in range(lo, hi, BN):
         o_n = i_s + tl.arange(0, BN)
         m_n = o_n < Tk_seq
-        # rows of G (query head i_h)
-        i_gk = (k_bos + o_n) * H + i_h
         if TMA:
             # [BN, BK] keys and [BN, BV] values of head i_hk by the copy engine (tile_descriptor), used
             # transposed; a masked tile's rows past the sequence's end (the next sequence's) zeroed, as
