@@ -7,6 +7,7 @@ lowering is testable apart from any code generation.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import networkx as nx
 import torch
@@ -811,7 +812,8 @@ class KernelSpec:
     l2_eps: float                   # qk_norm l2: x / sqrt(|x|^2 + l2_eps)
     norm_eps: float                 # normalize sum: o / (z.q + norm_eps)
     launch_knobs: tuple[tuple[str, tuple[str, ...]], ...]   # (pass, knobs) of its LAUNCHES dataclass, in field order
-    decay_span: float               # vector decay: a 16-token block's scores in one dot while its decay spans <= this
+    decay_span: float               # vector decay: a chunk's (16-token block's) scores in one dot while its decay spans <= this
+    decay_span_gamma: str           # exp(-decay_span), the literal: a chunk's Γ_C at that span
     ut_inverse: str                 # the delta rule's UT step: how it inverts its diagonal 16-token blocks (ut_inverse)
     chunked_fwd_steps: tuple[str, ...]  # the chunked forward's step kernels in launch order (chunked_steps), each
                                         # rendered from templates/chunked/<step>.py.jinja
@@ -833,7 +835,9 @@ class KernelSpec:
 # e^88; a term x_t y_s of 1e-21 or more keeps normal operands). The backward's pair sums inside a block
 # (dq̂, dk̂, P^T, the delta rule's K K^T) take the same dots and the same test, per chunk. Past it, the
 # kernels take the pairs by offsets t - s, each factor the exp of a sum of log decays (<= 1), exact for
-# any decay.
+# any decay. The forward's output pass applies the test to the whole chunk (its Γ_C, stored by the keys
+# or UT step): within it, the chunk's pairs are one dot; past it, chunked_output_blocks_kernel takes the
+# chunk by blocks.
 DECAY_SPAN = 40.0
 
 
@@ -926,7 +930,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         forms=tuple(f.name for f in plan(spec).forms), feature=feature, phi=phi, phi_grad=phi_grad,
         qk_norm=spec.qk_norm == "l2", update=spec.update, decay=spec.decay,
         normalize=spec.normalize == "sum", mask=spec.mask, window=spec.window or 0,
-        l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN,
+        l2_eps=L2_EPS, norm_eps=NORM_EPS, decay_span=DECAY_SPAN, decay_span_gamma=f"{math.exp(-DECAY_SPAN):.9g}",
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
@@ -964,7 +968,12 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
               + (", the written values U = U0 - W S" if delta else "")
               + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else ""))
     stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
-    forward = (*prepare, states, ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored))
+    output = (("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored
+               + (f", the chunks whose decay spans at most {DECAY_SPAN:g} in every feature (P one dot)"
+                  if spec.decay == "vector" else "")),)
+    if spec.decay == "vector":
+        output += (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),)
+    forward = (*prepare, states, *output)
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
     if delta:
@@ -976,7 +985,10 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
-                      + (", the queries' features for the steps after it" if stored else "")),)
+                      + (", the queries' features for the steps after it" if stored else "")
+                      + (f", the chunks whose decay spans at most {DECAY_SPAN:g}" if spec.decay == "vector" else "")),)
+        if spec.decay == "vector":
+            backward += (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),)
     backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"
                   + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
                                                          if stored else "")),

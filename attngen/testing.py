@@ -73,6 +73,23 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
     return out
 
 
+def vector_gates_across_span(shape: Shape, seed: int) -> torch.Tensor:
+    """Vector log decays g [B, T, H, K] (float64) whose 64-token chunks fall on both sides of
+    planner.DECAY_SPAN, by chunk index mod 4, in a third of the lanes (the others near 0): just inside
+    it (DECAY_SPAN / 64 times 0.95 .. 0.99 per token: the output pass's pairs as one dot through exp(-G)
+    near exp(DECAY_SPAN)); past it with its 16-token blocks inside (DECAY_SPAN / 32 per token); far past
+    it (down to -50 per token); mild (down to -0.1)."""
+    from .planner import DECAY_SPAN
+    gen = torch.Generator().manual_seed(seed)
+    size = (shape.batch, shape.q_len, shape.heads, shape.head_dim)
+    lane = (torch.arange(shape.head_dim) % 3 == 1).expand(size)
+    kind = (torch.arange(shape.q_len) // 64 % 4)[None, :, None, None].expand(size)
+    depth = torch.rand(size, generator=gen, dtype=torch.float64)
+    per_token = torch.stack([-DECAY_SPAN / 64 * (0.95 + 0.04 * depth), -DECAY_SPAN / 32 * (0.9 + 0.1 * depth),
+                             -50.0 * depth, -0.1 * depth])
+    return torch.where(lane, per_token.gather(0, kind[None]).squeeze(0), -1e-3 * depth)
+
+
 def kernel_launch(op, inputs: dict, form: str | None = None, chunk_size: int | None = None) -> tuple[str, list[int]]:
     """(kernel form, launch ints) that the op's kernels take for a call on inputs (the generated
     module's `form` and `launch` arguments), for tests that call a module's launchers directly."""

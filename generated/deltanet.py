@@ -938,6 +938,10 @@ def chunked_output_kernel(
     tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+# the output pass's kernels, launched one after the other on the same grid
+CHUNKED_OUTPUT_KERNELS = (chunked_output_kernel,)
+
+
 def chunked_dims(q, v, omega):
     """(B, T, H, K, V, F, VS) of a call: q [B, T, HK, K], v [B, T, H, V] (H the value heads), F
     features (FAVOR+'s rows of omega, else K) and VS state columns (V)."""
@@ -1077,13 +1081,14 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # the output pass reads the states and U only: the rest goes back before o is allocated
     st = st._replace(kr=None, gc=None, w=None, ai=None)
     o = torch.empty_like(v)
-    chunked_output_kernel[(st.n_slots, ceil_div(V, BV) * H)](
-        q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
-        T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
-        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
-    )
+    for kernel in CHUNKED_OUTPUT_KERNELS:
+        kernel[(st.n_slots, ceil_div(V, BV) * H)](
+            q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+            T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
+            BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
+            DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+            num_warps=launch.output_warps, maxnreg=launch.maxnreg,
+        )
     return o, st.ht, saved
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
 # Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,

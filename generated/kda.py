@@ -493,8 +493,9 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #      and updates S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U; only matrix products run in this loop (two per chunk)
 #   3. chunked_output_kernel, chunk-parallel (per chunk slot, value block and head):
 #      P [BT, BT] the decayed causal scores q_t . diag(Γ_t/Γ_s) k_s (s <= t),
-#      O = (Q ⊙ Γ) S_c + P U; by 16-token blocks, P's pairs across blocks
-#      through the block-start states (the chunked form again, inside the chunk)
+#      O = (Q ⊙ Γ) S_c + P U, P one dot where the chunk's decay spans at most 40.0
+#      in every feature; chunked_output_blocks_kernel takes the other chunks by 16-token blocks, P's
+#      pairs across blocks through the block-start states (the chunked form again, inside the chunk)
 # Per chunk, q and k become features [BT, BF] in each kernel that reads them (phi, l2 norm, scale;
 # padded tokens give zero features); the state pass reads the keys chunked_ut_kernel stored.
 # G [BT, BF] is the cumulative log decay inside the chunk, in G_DTYPE (float64, float32 for 16-bit
@@ -1017,7 +1018,7 @@ def chunked_states_kernel(
 @triton.jit
 def chunked_output_kernel(
     # pointers
-    q, k, v, g, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, v, g, gc, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1028,7 +1029,8 @@ def chunked_output_kernel(
     QK_GROUP: tl.constexpr = 1,
 ):
     # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
-    # state S_c
+    # state S_c; with vector decay, the chunks
+    # whose decay spans at most 40.0 in every feature (planner.DECAY_SPAN)
     i_s, i_vh = tl.program_id(0), tl.program_id(1)
     i_v, i_h = i_vh // H, i_vh % H
     if IS_VARLEN:
@@ -1044,62 +1046,133 @@ def chunked_output_kernel(
         bos = i_n.to(tl.int64) * T
         T_seq = T
 
-    o_j = tl.arange(0, 16)
+    o_i = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
-    # block 0).
-    # With G the cumulative log decay from the block's start (G_t <= 0) and G_B the block's total:
-    #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
-    # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
-    # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
-    # overflows however strong the decay. P is one dot, (Q ⊙ exp(G)) (K ⊙ exp(-G))^T, where the block's
-    # decay spans at most 40.0 in every feature (planner.DECAY_SPAN); past it, by offsets
-    # d = t - s, one [16, BF] product each.
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
-    b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
-    for i_b in range(0, BT // 16):
-        # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
-        o_t = i_c * BT + i_b * 16 + o_j
-        m_t = o_t < T_seq
-        o_tok = (bos + o_t) * H + i_h
+    # [BF] Γ_C, the chunk's decay per feature (1 on padded features)
+    in_span = tl.min(tl.load(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
+    if in_span:
+        # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+        o_tok = (bos + i_c * BT + o_i) * H + i_h
+        m_t = i_c * BT + o_i < T_seq
         m_tv = m_t[:, None] & m_v[None, :]
-        # [16, BK] -> [16, BF] queries and keys
+        # [BT, BF] G, the log decays (0 on padded tokens) cumulated from the chunk's start in G_DTYPE
+        # (G_t <= 0, -G_t <= the span):
+        #   O = (Q ⊙ exp(G)) S_c + P U,  P = (Q ⊙ exp(G)) (K ⊙ exp(-G))^T on s <= t,
+        # each pair's product q_t . diag(exp(G_t - G_s)) k_s as accurate as from its own factors.
+        b_G = tl.cumsum(floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE)), 0).to(tl.float32)
+        # [BT, BK] -> [BT, BF] the queries, which read the state through exp(G), and the keys
         b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
-        b_q = b_q * scale
+        b_qg = b_q * scale * tl.exp(b_G)
         b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-        # [16, BF] G, from the log decays (0 on padded tokens) in G_DTYPE; the queries read H through exp(G)
-        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
-        b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
-        # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
-        b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
-        b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(G_DTYPE))
-        b_GB = tl.sum(b_gt, 1)
-        # [16, 16] P: the decayed causal scores q_t . diag(exp(G_t - G_s)) k_s (s <= t)
-        if tl.min(b_GB, 0) >= -40.0:
-            b_P = tl.where(o_j[:, None] >= o_j[None, :], chunked_dot(b_qg, b_kt * tl.exp(-tl.cumsum(b_gt, 1).to(tl.float32)), DOT_PRECISION), 0.0)
-        else:
-            # the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
-            b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
-            b_W = tl.zeros([16, BF], dtype=G_DTYPE)
-            for d in range(1, 16):
-                m_d = m_t & (o_j >= d)
-                b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
-                b_ks = tl.load(k + ((o_tok - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
-                b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
-        # [16, BV] the values the block writes (chunked_states_kernel's U)
+        b_P = tl.where(o_i[:, None] >= o_i[None, :], chunked_dot(b_qg, tl.trans(b_k * tl.exp(-b_G)), DOT_PRECISION), 0.0)
+        # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+        # [BF, BV] the chunk-start state (slot i_s, chunked_states_dtype)
+        b_h0 = tl.load(h + (i_s.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+        b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_h0, DOT_PRECISION))
         tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        # H at the next block's start
-        b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
-        b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
+
+
+@triton.jit
+def chunked_output_blocks_kernel(
+    # pointers
+    q, k, v, g, gc, omega, u, h, hz, o, norm, c_part, do, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, NTOK, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale, x_scale, f_scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, NORM_GRAD: tl.constexpr, DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
+    # 1 where the backward launches it: its gradients run on q, k expanded to the value heads
+    QK_GROUP: tl.constexpr = 1,
+):
+    # chunked_output_kernel's program for the chunks whose decay spans more than 40.0 in
+    # some feature: their 16-token blocks one after the other
+    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_v, i_h = i_vh // H, i_vh % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BF] Γ_C, the chunk's decay per feature (1 on padded features)
+    in_span = tl.min(tl.load(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
+    if not in_span:
+        o_j = tl.arange(0, 16)
+        # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
+        # block 0).
+        # With G the cumulative log decay from the block's start (G_t <= 0) and G_B the block's total:
+        #   O = (Q ⊙ exp(G)) H + P U,   H <- exp(G_B) H + (K ⊙ exp(G_B - G))^T U,
+        # P [16, 16] the block's own decayed causal scores. Pairs of tokens in different blocks meet only
+        # through these two dots, every decay factor the exp of a sum of log decays (<= 1): nothing
+        # overflows however strong the decay. P is one dot, (Q ⊙ exp(G)) (K ⊙ exp(-G))^T, where the block's
+        # decay spans at most 40.0 in every feature; past it, by offsets d = t - s, one
+        # [16, BF] product each.
+        # [BF, BV] the chunk-start state (slot i_s), carried in float32
+        b_hc = tl.load(h + (i_s.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        for i_b in range(0, BT // 16):
+            # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
+            o_t = i_c * BT + i_b * 16 + o_j
+            m_t = o_t < T_seq
+            o_tok = (bos + o_t) * H + i_h
+            m_tv = m_t[:, None] & m_v[None, :]
+            # [16, BK] -> [16, BF] queries and keys
+            b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+            b_q = b_q * scale
+            b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
+            # [16, BF] G, from the log decays (0 on padded tokens) in G_DTYPE; the queries read H through exp(G)
+            b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
+            b_qg = b_q * tl.exp(tl.cumsum(b_g, 0).to(tl.float32))
+            # [BK, 16] -> [BF, 16] the keys transposed by the load, [BF, 16] log decays, [BF] G_B
+            b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+            b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+            b_gt = floor_log_decay(tl.load(g + o_tok[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0).to(G_DTYPE))
+            b_GB = tl.sum(b_gt, 1)
+            # [16, 16] P: the decayed causal scores q_t . diag(exp(G_t - G_s)) k_s (s <= t)
+            if tl.min(b_GB, 0) >= -40.0:
+                b_P = tl.where(o_j[:, None] >= o_j[None, :], chunked_dot(b_qg, b_kt * tl.exp(-tl.cumsum(b_gt, 1).to(tl.float32)), DOT_PRECISION), 0.0)
+            else:
+                # the diagonal q_t . k_t, then the pairs s = t - d, q_t . diag(exp(W)) k_s
+                b_P = tl.where(o_j[:, None] == o_j[None, :], tl.sum(b_q * b_k, 1)[:, None], 0.0)
+                b_W = tl.zeros([16, BF], dtype=G_DTYPE)
+                for d in range(1, 16):
+                    m_d = m_t & (o_j >= d)
+                    b_W += floor_log_decay(tl.load(g + (o_tok - (d - 1) * H)[:, None] * K + o_f[None, :], mask=m_d[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
+                    b_ks = tl.load(k + ((o_tok - d * H) // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_d[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                    b_ks = b_ks * tl.rsqrt(tl.sum(b_ks * b_ks, 1) + 1e-06)[:, None]
+                    b_P = tl.where(o_j[:, None] - o_j[None, :] == d, tl.sum(b_q * b_ks * tl.exp(b_W.to(tl.float32)), 1)[:, None], b_P)
+            # [16, BV] the values the block writes (chunked_states_kernel's U)
+            b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_hc, DOT_PRECISION))
+            tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+            # H at the next block's start
+            b_kt_rest = b_kt * tl.exp((b_GB[:, None] - tl.cumsum(b_gt, 1)).to(tl.float32))
+            b_hc = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_hc * tl.exp(b_GB.to(tl.float32))[:, None])
+
+
+# the output pass's kernels, launched one after the other on the same grid: each program of the second
+# returns at once where the first took its chunk
+CHUNKED_OUTPUT_KERNELS = (chunked_output_kernel, chunked_output_blocks_kernel)
 
 
 def chunked_dims(q, v, omega):
@@ -1149,8 +1222,13 @@ def chunked_saved_like(q, v, form, launch, for_backward):
 
 def chunked_states_dtype(dtype):
     """The dtype of the chunk-start states the forward's state pass stores for its output pass.
-    float32: the output pass carries the state through its 16-token blocks in float32."""
-    return torch.float32
+    The output pass reads them only as operands of its dot with the queries, which rounds them to
+    chunked_pass_dtype anyway: stored in that dtype, the outputs are the same bits and the states
+    take half the bytes with bf16 inputs (the state pass writes them, the output pass reads them:
+    both are bound by those bytes). A chunk whose decay spans more than planner.DECAY_SPAN
+    (output pass by 16-token blocks) carries the state from the stored one in float32: its first
+    block the same bits, the later ones within that rounding."""
+    return chunked_pass_dtype(dtype)
 
 
 class ChunkedStates(NamedTuple):
@@ -1235,16 +1313,17 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None
-    # the output pass reads the states and U only: the rest goes back before o is allocated
-    st = st._replace(kr=None, gc=None, w=None, ai=None)
+    # the output pass reads the states and U (and Γ_C) only: the rest goes back before o is allocated
+    st = st._replace(kr=None, w=None, ai=None)
     o = torch.empty_like(v)
-    chunked_output_kernel[(st.n_slots, ceil_div(V, BV) * H)](
-        q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
-        T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
-        BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
-        DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
-        num_warps=launch.output_warps, maxnreg=launch.maxnreg,
-    )
+    for kernel in CHUNKED_OUTPUT_KERNELS:
+        kernel[(st.n_slots, ceil_div(V, BV) * H)](
+            q, k, v, g, st.gc, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
+            T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
+            BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
+            DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
+            num_warps=launch.output_warps, maxnreg=launch.maxnreg,
+        )
     return o, st.ht, saved
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
 # Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,

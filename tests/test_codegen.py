@@ -130,12 +130,16 @@ def test_module_imports_the_kernel_lib_names_it_calls(spec_dict):
 
 
 def _launches(module, fn: str) -> list[str]:
-    """The kernels a generated launcher starts, in source order (chunked_states expanded), each step once."""
+    """The kernels a generated launcher starts, in source order (chunked_states and the output pass's
+    CHUNKED_OUTPUT_KERNELS expanded), each step once."""
     import inspect
     import re
     out = []
-    for m in re.finditer(r"\b(chunked_\w+_kernel)\[|(?<!def )\bchunked_states\(", inspect.getsource(getattr(module, fn))):
-        for kernel in [m.group(1)] if m.group(1) else _launches(module, "chunked_states"):
+    pattern = r"\b(chunked_\w+_kernel)\[|(?<!def )\bchunked_states\(|\bin (CHUNKED_OUTPUT_KERNELS):"
+    for m in re.finditer(pattern, inspect.getsource(getattr(module, fn))):
+        kernels = ([m.group(1)] if m.group(1) else [k.__name__ for k in module.CHUNKED_OUTPUT_KERNELS] if m.group(2)
+                   else _launches(module, "chunked_states"))
+        for kernel in kernels:
             # a step's two launches in a row (the state passes' segment ends, then the states) are one step
             if not out or out[-1] != kernel:
                 out.append(kernel)

@@ -216,15 +216,14 @@ def test_any_legal_spec_matches_interpreter(spec_dict, shape, dtype, initial_sta
 def test_stored_states_dtype_keeps_outputs(name, monkeypatch):
     """With bf16 inputs the forward stores its chunk-start states in bf16 where the output pass only
     feeds them to its bf16 dots (chunked_states_dtype): the outputs and final states are the same
-    bits as with float32 states (the sum normalizer's column has a float32 buffer of its own); vector
-    decay keeps float32."""
+    bits as with float32 states (the sum normalizer's column has a float32 buffer of its own), vector
+    decay's chunks within planner.DECAY_SPAN included."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=45, heads=2, head_dim=8, value_dim=6,
                                           cu_seqlens=(0, 13, 45)))
     inputs = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
-    kept = SPECS[name].get("decay") == "vector"
-    assert module.chunked_states_dtype(torch.bfloat16) == (torch.float32 if kept else torch.bfloat16)
+    assert module.chunked_states_dtype(torch.bfloat16) == torch.bfloat16
     assert module.chunked_states_dtype(torch.float16) == torch.float32
     run = lambda: op(**inputs, output_final_state=True, form="chunked", chunk_size=16)  # noqa: E731
     o, ht = run()

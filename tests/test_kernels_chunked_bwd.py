@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import attngen
 from attngen import codegen, kernel_lib, planner
 from attngen.reference import reference
-from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error
+from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, vector_gates_across_span
 
 import specs
 from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
@@ -179,6 +179,27 @@ def test_vector_decay_both_sides_of_the_span(kernel_backward, name, dtype, chunk
     assert calls
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
     assert not failures, f"{name} chunk {chunk} {dtype}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("name, dtype", [("gla", torch.float32), ("gla", torch.bfloat16), ("kda", torch.float32),
+                                         ("gla_sum", torch.float32)], ids=["gla-fp32", "gla-bf16", "kda-fp32", "gla_sum-fp32"])
+def test_vector_decay_both_sides_of_the_chunk_span(kernel_backward, name, dtype):
+    """64-token chunks whose decay spans just inside planner.DECAY_SPAN (the output pass takes the
+    chunk's pairs in one dot), past it with 16-token blocks inside (by blocks, each one dot) and far
+    past it (by offsets) in one sequence: outputs, final state and every gradient within tolerance."""
+    op, calls = kernel_backward(SPECS[name])
+    shape = Shape(batch=1, q_len=200, heads=2, head_dim=12, value_dim=6)
+    inputs = random_inputs(op.spec, shape, seed=7)
+    inputs["g"] = vector_gates_across_span(shape, seed=7)
+    # [3] the widest span of each whole 64-token chunk, and of chunk 1's 16-token blocks
+    chunk_span = inputs["g"][:, :192].unflatten(1, (3, 64)).sum(2).amin((0, 2, 3)).neg()
+    block_span = inputs["g"][:, 64:128].unflatten(1, (4, 16)).sum(2).amin((0, 2, 3)).neg()
+    assert 0.9 * planner.DECAY_SPAN < chunk_span[0] < planner.DECAY_SPAN < chunk_span[1] < chunk_span[2]
+    assert block_span.max() < planner.DECAY_SPAN
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=64), inputs, dtype)
+    assert calls
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} {dtype}:\n" + "\n".join(failures)
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "performer", "gla_sum"])

@@ -10,7 +10,7 @@ import torch
 
 import attngen
 from attngen.reference import reference
-from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance
+from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance, vector_gates_across_span
 
 from specs import SHIPPED, shipped
 
@@ -67,6 +67,23 @@ def _assert_close(what, got, ref, low, dtype):
     """got within the tolerance that the low-precision interpreter's error (low against ref) sets."""
     err, tol = rel_error(got, ref), tolerance(dtype, rel_error(low, ref))
     assert err <= tol, f"{what}: rel err {err:.2e} > tol {tol:.2e}"
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["gla", "kda"])
+def test_vector_decay_across_the_span(name, dname, chunk):
+    """Vector decays whose 64-token chunks fall on both sides of planner.DECAY_SPAN (the output
+    pass's one-dot chunks and chunked_output_blocks_kernel's), D128: outputs, final state and every
+    gradient within tolerance of the oracle, at each forward chunk."""
+    op = attngen.load(SHIPPED[name])
+    shape = Shape(batch=1, q_len=300, heads=2, head_dim=128, value_dim=128)
+    inputs = random_inputs(op.spec, shape, seed=chunk)
+    inputs["g"] = vector_gates_across_span(shape, seed=chunk)
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=chunk), inputs, DTYPES[dname],
+                   device="cuda")
+    bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
+    assert not bad, "; ".join(bad)
 
 
 VARLEN = (0, 1, 700, 1500, 1531)
