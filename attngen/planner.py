@@ -968,12 +968,13 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
               + (", the written values U = U0 - W S" if delta else "")
               + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else ""))
     stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
-    output = (("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored
-               + (f", the chunks whose decay spans at most {DECAY_SPAN:g} in every feature (P one dot)"
-                  if spec.decay == "vector" else "")),)
-    if spec.decay == "vector":
-        output += (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),)
-    forward = (*prepare, states, *output)
+    # vector decay's output pass: the chunks within DECAY_SPAN, then the others by blocks in a kernel of their own
+    vector = spec.decay == "vector"
+    in_span = f", the chunks whose decay spans at most {DECAY_SPAN:g}" if vector else ""
+    blocks = (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),) if vector else ()
+    output = ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored
+              + (in_span + " in every feature (P one dot)" if vector else ""))
+    forward = (*prepare, states, output, *blocks)
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
     if delta:
@@ -985,10 +986,7 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
-                      + (", the queries' features for the steps after it" if stored else "")
-                      + (f", the chunks whose decay spans at most {DECAY_SPAN:g}" if spec.decay == "vector" else "")),)
-        if spec.decay == "vector":
-            backward += (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),)
+                      + (", the queries' features for the steps after it" if stored else "") + in_span), *blocks)
     backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"
                   + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
                                                          if stored else "")),

@@ -1051,8 +1051,11 @@ def chunked_output_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # the rows of slot i_s and head i_h in the chunk-start states h [slots, H, F, V] and in gc [slots, H, F]
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    o_z = (i_s.to(tl.int64) * H + i_h) * F
     # [BF] Γ_C, the chunk's decay per feature (1 on padded features)
-    in_span = tl.min(tl.load(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
+    in_span = tl.min(tl.load(gc + o_z + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
     if in_span:
         # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
         o_tok = (bos + i_c * BT + o_i) * H + i_h
@@ -1073,7 +1076,7 @@ def chunked_output_kernel(
         # [BT, BV] the values the chunk writes (chunked_states_kernel's U)
         b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
         # [BF, BV] the chunk-start state (slot i_s, chunked_states_dtype)
-        b_h0 = tl.load(h + (i_s.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+        b_h0 = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
         b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_h0, DOT_PRECISION))
         tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
@@ -1113,8 +1116,11 @@ def chunked_output_blocks_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # the rows of slot i_s and head i_h in the chunk-start states h [slots, H, F, V] and in gc [slots, H, F]
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    o_z = (i_s.to(tl.int64) * H + i_h) * F
     # [BF] Γ_C, the chunk's decay per feature (1 on padded features)
-    in_span = tl.min(tl.load(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
+    in_span = tl.min(tl.load(gc + o_z + o_f, mask=m_f, other=1.0), 0) >= 4.24835426e-18
     if not in_span:
         o_j = tl.arange(0, 16)
         # By 16-token blocks of the chunk, carrying H [BF, BV], the state at the block's start (S_c at
@@ -1127,7 +1133,7 @@ def chunked_output_blocks_kernel(
         # decay spans at most 40.0 in every feature; past it, by offsets d = t - s, one
         # [16, BF] product each.
         # [BF, BV] the chunk-start state (slot i_s), carried in float32
-        b_hc = tl.load(h + (i_s.to(tl.int64) * H + i_h) * F * V + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_hc = tl.load(h + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         for i_b in range(0, BT // 16):
             # [16] the block's tokens; o_tok indexes the [B * T, H] rows (int64)
             o_t = i_c * BT + i_b * 16 + o_j
