@@ -101,7 +101,8 @@ def isolated(args) -> int:
     for name in args.specs.split(","):
         for variant in spec_variants(args, name):
             cmd = [sys.executable, __file__, "--specs", name, "--variants", variant, "--B", str(args.B), "--T", str(args.T),
-                   "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype] + (["--no-oracle"] if args.no_oracle else [])
+                   "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype, "--kernels", str(args.kernels)] + (["--no-oracle"] if args.no_oracle else []) + (
+                ["--module", args.module] if args.module else [])
             out = subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()
             line = out[-1] if out and out[-1].startswith(name) else f"{name:<20s} {variant:<34s} no result: {(out or ['?'])[-1][:200]}"
             print(line, flush=True)
@@ -121,12 +122,18 @@ def main() -> int:
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-oracle", action="store_true")
+    p.add_argument("--kernels", type=int, default=6, help="how many of the step's kernels to list, longest first")
+    p.add_argument("--module", default=None, metavar="FILE", help="an edited rendering of the spec's generated module "
+                   "(one spec) run in place of the rendering: how a kernel edit is timed and held to the oracle before "
+                   "it goes into a template")
     p.add_argument("--from-table", default=None, metavar="FILE", help="also each spec's launch in this tuning table")
     p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
                    "address leaves the process's CUDA context unusable); no agreement column then")
     args = p.parse_args()
     if args.variants is None and not args.from_table:
         p.error("--variants is required without --from-table")
+    if args.module and ("," in args.specs or not Path(args.module).is_file()):
+        p.error(f"--module {args.module!r}: one file, for one spec (--specs {args.specs!r})")
     for v in (args.variants or "").split(";"):
         parse_variant(v)
     if args.isolate:
@@ -134,6 +141,12 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     table = []
     for name in args.specs.split(","):
+        if args.module:
+            # the edited module, imported before the op is made, under the name codegen.load_module
+            # gives the spec's rendering
+            from attngen import codegen
+            spec = attngen.spec.load_spec(SPECS / f"{name}.yaml")
+            codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
         op = attngen.load(SPECS / f"{name}.yaml")
         shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
         big = bench_inputs(op.spec, shape, dtype, "cuda", requires_grad=True)
@@ -159,7 +172,7 @@ def main() -> int:
                 run = bench.step(lambda: output(op(**big)), True, big)
                 ms = bench.do_bench_timer(True)(run)
                 kernels = ", ".join(f"{k.replace('chunked_', '').replace('_kernel', '')} {us:.0f}"
-                                    for k, us in bench.profile(run)[:6])
+                                    for k, us in bench.profile(run)[:args.kernels])
                 line = f"{name:<20s} {label:<34s} fwd {fwd_ms:6.3f}  fwd+bwd {ms:8.3f} ms  oracle(err/tol) {worst:<14s} vs first {agree:<8s} | {kernels}"
                 print(f"   launch {launch}", flush=True)
             except Exception as e:  # noqa: BLE001 -- a failing variant is a row saying why
