@@ -24,7 +24,7 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
-           "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_state_segments", "favor_dot",
+           "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
            "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "tile_descriptor", "tile_descriptors"]
@@ -96,6 +96,23 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
         c = tl.dot(chunked_round(a, 13), chunked_round(b, 13), acc, input_precision="ieee")
     elif DOT_PRECISION == "tf32x3":
         c = tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        c = tl.dot(a, b, acc, input_precision="ieee")
+    return c
+
+
+@triton.jit
+def chunked_solve_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
+    # a @ b (+ acc) on float32 tiles inside the UT step's inverse (I + A)^-1 (its 16-token blocks'
+    # products), at the precision the inputs' dtype leaves room for: tf32 operands for 16-bit inputs
+    # ("bf16", "tf32"; emulated in the interpreter), whose inverse is rounded to bf16 when stored or
+    # enters tf32 dots (fp16) -- tf32's 2^-11 is under both roundings; fp32 products ("ieee", on the
+    # CUDA cores) for float32 and float64 inputs. H200, gated_deltanet B4 T8192 H16 K = V = 128 bf16:
+    # the UT step 466 -> 426 us against "ieee" (BENCHMARKS.md 2026-12-04, seventh run).
+    if DOT_PRECISION == "bf16" or DOT_PRECISION == "tf32":
+        c = tl.dot(a, b, acc, input_precision="tf32")
+    elif DOT_PRECISION == "bf16_emulated" or DOT_PRECISION == "tf32_emulated":
+        c = tl.dot(chunked_round(a, 13), chunked_round(b, 13), acc, input_precision="ieee")
     else:
         c = tl.dot(a, b, acc, input_precision="ieee")
     return c

@@ -844,7 +844,7 @@ DECAY_SPAN = 40.0
 
 def ut_inverse(spec: Spec) -> str:
     """How the delta rule's UT step inverts the diagonal 16 x 16 blocks of I + A ("" without the
-    rule): "doubling" (X - X C X over blocks of 2, 4, 8, 16 rows, six float32 dots) with vector
+    rule): "doubling" (X - X C X over blocks of 2, 4, 8, 16 rows, six dots, chunked_solve_dot) with vector
     decay, "substitution" (16 dependent rows) otherwise. Which is faster depends on the kernel around
     it (the H200 at K = V = 128 bf16, bench/probe_ut.py): kda's step 1095 against 1439 us at 16-token
     chunks and 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64."""

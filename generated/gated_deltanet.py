@@ -31,7 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, floor_log_decay, pow2_ceil)
+                                chunked_qk_group, chunked_solve_dot, floor_log_decay, pow2_ceil)
 
 SPEC_NAME = "gated_deltanet"
 SPEC_HASH = "8da2b838a7660fad"
@@ -503,8 +503,10 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no
 # l2 norm, feature map or cumsum of log decays on its critical path.
-# Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
-# a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
+# Keys a kernel holds by rows enter tl.dot transposed as tl.trans of their features (b_kt) where the
+# map is elementwise; FAVOR+ features, a value computed by tl.dot, through a second, transposed load:
+# Triton 3.4-3.7 miscompile a tl.trans of a dot's result on Hopper. Tiles a kernel needs only
+# transposed are loaded so.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
 # inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk. H is the value (state) heads: v,
 # g, beta, o and every per-token buffer have H; q and k have H // QK_GROUP (grouped value heads), read
@@ -524,7 +526,8 @@ def chunked_ut_kernel(
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
     #   L^-1_ii = (I + A_ii)^-1 (forward substitution, 16 rows), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
-    # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
+    # Block products of the inverse run on float32 tiles (chunked_solve_dot: tf32 operands for 16-bit
+    # inputs, fp32 products for 32- and 64-bit ones).
     # Then, with FUSED_WU (else chunked_wu_kernel does it), W, U0, K ⊙ Γ_C/Γ and Γ_C for the state
     # pass, from the stored rows read back as one [BT, BT] tile (its dots at the chunk's full width,
     # not 16-row blocks).
@@ -562,9 +565,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
-        b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt0 = tl.trans(b_k0)
         # [16] (0 on padded tokens)
         b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -581,9 +583,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k1 = tl.load(k + (o_tok1 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt1 = tl.load(k + (o_tok1 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
-        b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt1 = tl.trans(b_k1)
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -603,9 +604,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k2 = tl.load(k + (o_tok2 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt2 = tl.load(k + (o_tok2 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
-        b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt2 = tl.trans(b_k2)
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -628,9 +628,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k3 = tl.load(k + (o_tok3 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt3 = tl.load(k + (o_tok3 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
-        b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt3 = tl.trans(b_k3)
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -674,7 +673,8 @@ def chunked_ut_kernel(
         if BT > 48:
             tl.store(ai + o_tok0[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t0[:, None])
         # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
-        b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A10, b_Ai00, DOT_PRECISION)
+        b_Ai10 = -chunked_solve_dot(b_Ai11, b_X, DOT_PRECISION)
         # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
         tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
@@ -683,9 +683,12 @@ def chunked_ut_kernel(
         if BT > 48:
             tl.store(ai + o_tok1[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t1[:, None])
         # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
-        b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A21, b_Ai11, DOT_PRECISION)
+        b_Ai21 = -chunked_solve_dot(b_Ai22, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
-        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A20, b_Ai00, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A21, b_Ai10, DOT_PRECISION, b_X)
+        b_Ai20 = -chunked_solve_dot(b_Ai22, b_X, DOT_PRECISION)
         # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai20, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
         tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai21, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
@@ -693,11 +696,17 @@ def chunked_ut_kernel(
         if BT > 48:
             tl.store(ai + o_tok2[:, None] * BT + 48 + o_j[None, :], tl.zeros([16, 16], dtype=ai.dtype.element_ty), mask=m_t2[:, None])
         # [16, 16] (I + A)^-1_32 = -(I + A)^-1_33 sum_{m = 2}^{2} A_3m (I + A)^-1_m2
-        b_Ai32 = -tl.dot(b_Ai33, tl.dot(b_A32, b_Ai22, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A32, b_Ai22, DOT_PRECISION)
+        b_Ai32 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_31 = -(I + A)^-1_33 sum_{m = 1}^{2} A_3m (I + A)^-1_m1
-        b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_A31, b_Ai11, input_precision="ieee") + tl.dot(b_A32, b_Ai21, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A31, b_Ai11, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A32, b_Ai21, DOT_PRECISION, b_X)
+        b_Ai31 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_30 = -(I + A)^-1_33 sum_{m = 0}^{2} A_3m (I + A)^-1_m0
-        b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_A30, b_Ai00, input_precision="ieee") + tl.dot(b_A31, b_Ai10, input_precision="ieee") + tl.dot(b_A32, b_Ai20, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A30, b_Ai00, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A31, b_Ai10, DOT_PRECISION, b_X)
+        b_X = chunked_solve_dot(b_A32, b_Ai20, DOT_PRECISION, b_X)
+        b_Ai30 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # rows 48 .. 63 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok3[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai30, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai31, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
@@ -711,9 +720,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
-        b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt0 = tl.trans(b_k0)
         # [16] (0 on padded tokens)
         b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
         # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -745,9 +753,8 @@ def chunked_ut_kernel(
             # [16, BK] -> [16, BF]
             b_k1 = tl.load(k + (o_tok1 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
             b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
-            # [BK, 16] -> [BF, 16] the keys transposed by the load
-            b_kt1 = tl.load(k + (o_tok1 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
-            b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
+            # [BF, 16] the features transposed in registers
+            b_kt1 = tl.trans(b_k1)
             # [16] (0 on padded tokens)
             b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
             # [16] cumulative log decay from the chunk's start (G_DTYPE)
@@ -767,7 +774,8 @@ def chunked_ut_kernel(
                 b_a = tl.sum(tl.where(m_row, b_A11, 0.0), 0)
                 b_Ai11 = tl.where(m_row, b_Ai11 - tl.sum(b_a[:, None] * b_Ai11, 0)[None, :], b_Ai11)
             # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
-            b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+            b_X = chunked_solve_dot(b_A10, b_Ai00, DOT_PRECISION)
+            b_Ai10 = -chunked_solve_dot(b_Ai11, b_X, DOT_PRECISION)
             # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
             tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
             tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
@@ -1650,24 +1658,23 @@ def chunked_bwd_wy_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
-        m_vt = m_v[:, None] & m_t[None, :]
-        # [BT, BV] dU and the values, [BV, BT] the values transposed by the load
+        # [BT, BV] dU and the values, [BV, BT] the values transposed in registers
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_vt = tl.trans(b_v)
         b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
         tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dx * b_v, 1)
         b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
     # [BT, BF] dW, as step 4a stored it
     b_dw = tl.load(dw + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-    # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
+    # [BT, BK] the raw keys, their features k̂ [BT, BF] and k̂^T [BF, BT]
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
     b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
     b_k_hat = b_k_phi * b_k_rn[:, None]
-    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BF, BT] the features transposed in registers
+    b_kt = tl.trans(b_k_hat)
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
     b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)

@@ -31,7 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, floor_log_decay, pow2_ceil)
+                                chunked_qk_group, chunked_solve_dot, floor_log_decay, pow2_ceil)
 
 SPEC_NAME = "kda"
 SPEC_HASH = "782f2ff1584ebf0f"
@@ -510,8 +510,10 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with two dots, no
 # l2 norm, feature map or cumsum of log decays on its critical path.
-# Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
-# a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
+# Keys a kernel holds by rows enter tl.dot transposed as tl.trans of their features (b_kt) where the
+# map is elementwise; FAVOR+ features, a value computed by tl.dot, through a second, transposed load:
+# Triton 3.4-3.7 miscompile a tl.trans of a dot's result on Hopper. Tiles a kernel needs only
+# transposed are loaded so.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
 # inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk. H is the value (state) heads: v,
 # g, beta, o and every per-token buffer have H; q and k have H // QK_GROUP (grouped value heads), read
@@ -531,7 +533,8 @@ def chunked_ut_kernel(
     # one program per chunk slot and head: the chunk's (I + A)^-1 [BT, BT] by 16-token blocks,
     # row t stored with token t. A is block lower triangular; with L = I + A,
     #   L^-1_ii = (I + A_ii)^-1 (by doubling, 2 x 2 to 16 x 16), L^-1_ij = -L^-1_ii sum_{j<=m<i} A_im L^-1_mj
-    # Block products of the inverse run in float32 (tl.dot "ieee"), whatever the inputs' dtype.
+    # Block products of the inverse run on float32 tiles (chunked_solve_dot: tf32 operands for 16-bit
+    # inputs, fp32 products for 32- and 64-bit ones).
     # Then, with FUSED_WU (else chunked_wu_kernel does it), W, U0, K ⊙ Γ_C/Γ and Γ_C for the state
     # pass, from the stored rows read back as one [BT, BT] tile (its dots at the chunk's full width,
     # not 16-row blocks).
@@ -570,9 +573,8 @@ def chunked_ut_kernel(
     # [16, BK] -> [16, BF]
     b_k0 = tl.load(k + (o_tok0 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t0[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k0 = b_k0 * tl.rsqrt(tl.sum(b_k0 * b_k0, 1) + 1e-06)[:, None]
-    # [BK, 16] -> [BF, 16] the keys transposed by the load
-    b_kt0 = tl.load(k + (o_tok0 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t0[None, :], other=0.0).to(tl.float32)
-    b_kt0 = b_kt0 * tl.rsqrt(tl.sum(b_kt0 * b_kt0, 0) + 1e-06)[None, :]
+    # [BF, 16] the features transposed in registers
+    b_kt0 = tl.trans(b_k0)
     # [16] (0 on padded tokens)
     b_beta0 = tl.load(beta + o_tok0, mask=m_t0, other=0.0).to(tl.float32)
     # [16, BF] cumulative log decay from the chunk's start (G_DTYPE)
@@ -581,8 +583,8 @@ def chunked_ut_kernel(
     b_carry += tl.sum(b_g0, 0)
     # [BF] G at the block's last token: the reference of later blocks' pairs with this one
     b_C0 = b_carry
-    # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
-    b_gt0 = floor_log_decay(tl.load(g + o_tok0[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t0[None, :], other=0.0).to(G_DTYPE))
+    # [BF, 16] the log decays transposed; the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+    b_gt0 = tl.trans(b_g0)
     b_kdt0 = b_kt0 * tl.exp((tl.sum(b_gt0, 1)[:, None] - tl.cumsum(b_gt0, 1)).to(tl.float32))
     # [16, 16] A_00 = diag(β) K_0 diag(Γ_t/Γ_s) K_0^T (s < t)
     if tl.min(tl.sum(b_g0, 0), 0) >= -40.0:
@@ -606,12 +608,12 @@ def chunked_ut_kernel(
     # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
     # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
     b_Ai00 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A00, 0.0)
-    b_XC = tl.dot(b_Ai00, tl.where(m_couple2, b_A00, 0.0), input_precision="ieee")
-    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
-    b_XC = tl.dot(b_Ai00, tl.where(m_couple4, b_A00, 0.0), input_precision="ieee")
-    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
-    b_XC = tl.dot(b_Ai00, tl.where(m_couple8, b_A00, 0.0), input_precision="ieee")
-    b_Ai00 = tl.dot(-b_XC, b_Ai00, b_Ai00, input_precision="ieee")
+    b_XC = chunked_solve_dot(b_Ai00, tl.where(m_couple2, b_A00, 0.0), DOT_PRECISION)
+    b_Ai00 = chunked_solve_dot(-b_XC, b_Ai00, DOT_PRECISION, b_Ai00)
+    b_XC = chunked_solve_dot(b_Ai00, tl.where(m_couple4, b_A00, 0.0), DOT_PRECISION)
+    b_Ai00 = chunked_solve_dot(-b_XC, b_Ai00, DOT_PRECISION, b_Ai00)
+    b_XC = chunked_solve_dot(b_Ai00, tl.where(m_couple8, b_A00, 0.0), DOT_PRECISION)
+    b_Ai00 = chunked_solve_dot(-b_XC, b_Ai00, DOT_PRECISION, b_Ai00)
     # rows 0 .. 15 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
     tl.store(ai + o_tok0[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai00, ai.dtype.element_ty, DOT_PRECISION), mask=m_t0[:, None])
     if BT > 16:
@@ -628,9 +630,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k1 = tl.load(k + (o_tok1 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t1[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k1 = b_k1 * tl.rsqrt(tl.sum(b_k1 * b_k1, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt1 = tl.load(k + (o_tok1 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t1[None, :], other=0.0).to(tl.float32)
-        b_kt1 = b_kt1 * tl.rsqrt(tl.sum(b_kt1 * b_kt1, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt1 = tl.trans(b_k1)
         # [16] (0 on padded tokens)
         b_beta1 = tl.load(beta + o_tok1, mask=m_t1, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start (G_DTYPE)
@@ -639,8 +640,8 @@ def chunked_ut_kernel(
         b_carry += tl.sum(b_g1, 0)
         # [BF] G at the block's last token: the reference of later blocks' pairs with this one
         b_C1 = b_carry
-        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
-        b_gt1 = floor_log_decay(tl.load(g + o_tok1[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t1[None, :], other=0.0).to(G_DTYPE))
+        # [BF, 16] the log decays transposed; the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt1 = tl.trans(b_g1)
         b_kdt1 = b_kt1 * tl.exp((tl.sum(b_gt1, 1)[:, None] - tl.cumsum(b_gt1, 1)).to(tl.float32))
         # [16, 16] A_10 = diag(β) K_1 diag(Γ_t/Γ_s) K_0^T
         # one dot through G at block 0's last token: K_1 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
@@ -667,14 +668,15 @@ def chunked_ut_kernel(
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
         # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai11 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A11, 0.0)
-        b_XC = tl.dot(b_Ai11, tl.where(m_couple2, b_A11, 0.0), input_precision="ieee")
-        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
-        b_XC = tl.dot(b_Ai11, tl.where(m_couple4, b_A11, 0.0), input_precision="ieee")
-        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
-        b_XC = tl.dot(b_Ai11, tl.where(m_couple8, b_A11, 0.0), input_precision="ieee")
-        b_Ai11 = tl.dot(-b_XC, b_Ai11, b_Ai11, input_precision="ieee")
+        b_XC = chunked_solve_dot(b_Ai11, tl.where(m_couple2, b_A11, 0.0), DOT_PRECISION)
+        b_Ai11 = chunked_solve_dot(-b_XC, b_Ai11, DOT_PRECISION, b_Ai11)
+        b_XC = chunked_solve_dot(b_Ai11, tl.where(m_couple4, b_A11, 0.0), DOT_PRECISION)
+        b_Ai11 = chunked_solve_dot(-b_XC, b_Ai11, DOT_PRECISION, b_Ai11)
+        b_XC = chunked_solve_dot(b_Ai11, tl.where(m_couple8, b_A11, 0.0), DOT_PRECISION)
+        b_Ai11 = chunked_solve_dot(-b_XC, b_Ai11, DOT_PRECISION, b_Ai11)
         # [16, 16] (I + A)^-1_10 = -(I + A)^-1_11 sum_{m = 0}^{0} A_1m (I + A)^-1_m0
-        b_Ai10 = -tl.dot(b_Ai11, tl.dot(b_A10, b_Ai00, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A10, b_Ai00, DOT_PRECISION)
+        b_Ai10 = -chunked_solve_dot(b_Ai11, b_X, DOT_PRECISION)
         # rows 16 .. 31 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok1[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai10, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
         tl.store(ai + o_tok1[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai11, ai.dtype.element_ty, DOT_PRECISION), mask=m_t1[:, None])
@@ -690,9 +692,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k2 = tl.load(k + (o_tok2 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t2[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k2 = b_k2 * tl.rsqrt(tl.sum(b_k2 * b_k2, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt2 = tl.load(k + (o_tok2 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t2[None, :], other=0.0).to(tl.float32)
-        b_kt2 = b_kt2 * tl.rsqrt(tl.sum(b_kt2 * b_kt2, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt2 = tl.trans(b_k2)
         # [16] (0 on padded tokens)
         b_beta2 = tl.load(beta + o_tok2, mask=m_t2, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start (G_DTYPE)
@@ -701,8 +702,8 @@ def chunked_ut_kernel(
         b_carry += tl.sum(b_g2, 0)
         # [BF] G at the block's last token: the reference of later blocks' pairs with this one
         b_C2 = b_carry
-        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
-        b_gt2 = floor_log_decay(tl.load(g + o_tok2[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t2[None, :], other=0.0).to(G_DTYPE))
+        # [BF, 16] the log decays transposed; the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt2 = tl.trans(b_g2)
         b_kdt2 = b_kt2 * tl.exp((tl.sum(b_gt2, 1)[:, None] - tl.cumsum(b_gt2, 1)).to(tl.float32))
         # [16, 16] A_20 = diag(β) K_2 diag(Γ_t/Γ_s) K_0^T
         # one dot through G at block 0's last token: K_2 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
@@ -732,16 +733,19 @@ def chunked_ut_kernel(
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
         # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai22 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A22, 0.0)
-        b_XC = tl.dot(b_Ai22, tl.where(m_couple2, b_A22, 0.0), input_precision="ieee")
-        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
-        b_XC = tl.dot(b_Ai22, tl.where(m_couple4, b_A22, 0.0), input_precision="ieee")
-        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
-        b_XC = tl.dot(b_Ai22, tl.where(m_couple8, b_A22, 0.0), input_precision="ieee")
-        b_Ai22 = tl.dot(-b_XC, b_Ai22, b_Ai22, input_precision="ieee")
+        b_XC = chunked_solve_dot(b_Ai22, tl.where(m_couple2, b_A22, 0.0), DOT_PRECISION)
+        b_Ai22 = chunked_solve_dot(-b_XC, b_Ai22, DOT_PRECISION, b_Ai22)
+        b_XC = chunked_solve_dot(b_Ai22, tl.where(m_couple4, b_A22, 0.0), DOT_PRECISION)
+        b_Ai22 = chunked_solve_dot(-b_XC, b_Ai22, DOT_PRECISION, b_Ai22)
+        b_XC = chunked_solve_dot(b_Ai22, tl.where(m_couple8, b_A22, 0.0), DOT_PRECISION)
+        b_Ai22 = chunked_solve_dot(-b_XC, b_Ai22, DOT_PRECISION, b_Ai22)
         # [16, 16] (I + A)^-1_21 = -(I + A)^-1_22 sum_{m = 1}^{1} A_2m (I + A)^-1_m1
-        b_Ai21 = -tl.dot(b_Ai22, tl.dot(b_A21, b_Ai11, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A21, b_Ai11, DOT_PRECISION)
+        b_Ai21 = -chunked_solve_dot(b_Ai22, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_20 = -(I + A)^-1_22 sum_{m = 0}^{1} A_2m (I + A)^-1_m0
-        b_Ai20 = -tl.dot(b_Ai22, tl.dot(b_A20, b_Ai00, input_precision="ieee") + tl.dot(b_A21, b_Ai10, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A20, b_Ai00, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A21, b_Ai10, DOT_PRECISION, b_X)
+        b_Ai20 = -chunked_solve_dot(b_Ai22, b_X, DOT_PRECISION)
         # rows 32 .. 47 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok2[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai20, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
         tl.store(ai + o_tok2[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai21, ai.dtype.element_ty, DOT_PRECISION), mask=m_t2[:, None])
@@ -755,9 +759,8 @@ def chunked_ut_kernel(
         # [16, BK] -> [16, BF]
         b_k3 = tl.load(k + (o_tok3 // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t3[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k3 = b_k3 * tl.rsqrt(tl.sum(b_k3 * b_k3, 1) + 1e-06)[:, None]
-        # [BK, 16] -> [BF, 16] the keys transposed by the load
-        b_kt3 = tl.load(k + (o_tok3 // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t3[None, :], other=0.0).to(tl.float32)
-        b_kt3 = b_kt3 * tl.rsqrt(tl.sum(b_kt3 * b_kt3, 0) + 1e-06)[None, :]
+        # [BF, 16] the features transposed in registers
+        b_kt3 = tl.trans(b_k3)
         # [16] (0 on padded tokens)
         b_beta3 = tl.load(beta + o_tok3, mask=m_t3, other=0.0).to(tl.float32)
         # [16, BF] cumulative log decay from the chunk's start (G_DTYPE)
@@ -766,8 +769,8 @@ def chunked_ut_kernel(
         b_carry += tl.sum(b_g3, 0)
         # [BF] G at the block's last token: the reference of later blocks' pairs with this one
         b_C3 = b_carry
-        # [BF, 16] the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
-        b_gt3 = floor_log_decay(tl.load(g + o_tok3[None, :] * K + o_f[:, None], mask=m_f[:, None] & m_t3[None, :], other=0.0).to(G_DTYPE))
+        # [BF, 16] the log decays transposed; the keys decayed to the block's last token, K ⊙ exp(G_last - G) (<= 1)
+        b_gt3 = tl.trans(b_g3)
         b_kdt3 = b_kt3 * tl.exp((tl.sum(b_gt3, 1)[:, None] - tl.cumsum(b_gt3, 1)).to(tl.float32))
         # [16, 16] A_30 = diag(β) K_3 diag(Γ_t/Γ_s) K_0^T
         # one dot through G at block 0's last token: K_3 ⊙ exp(G - G_last) and K_0 ⊙ exp(G_last - G), both <= 1
@@ -800,18 +803,24 @@ def chunked_ut_kernel(
         # X - X C X (b = 1: X = I, so I - C; then b = 2, 4, 8): six dots, no alternating sums (a power
         # series of A would cancel: tests/test_kernels_chunked.py repeated keys); planner.ut_inverse
         b_Ai33 = tl.where(m_eye, 1.0, 0.0) - tl.where(m_couple1, b_A33, 0.0)
-        b_XC = tl.dot(b_Ai33, tl.where(m_couple2, b_A33, 0.0), input_precision="ieee")
-        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
-        b_XC = tl.dot(b_Ai33, tl.where(m_couple4, b_A33, 0.0), input_precision="ieee")
-        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
-        b_XC = tl.dot(b_Ai33, tl.where(m_couple8, b_A33, 0.0), input_precision="ieee")
-        b_Ai33 = tl.dot(-b_XC, b_Ai33, b_Ai33, input_precision="ieee")
+        b_XC = chunked_solve_dot(b_Ai33, tl.where(m_couple2, b_A33, 0.0), DOT_PRECISION)
+        b_Ai33 = chunked_solve_dot(-b_XC, b_Ai33, DOT_PRECISION, b_Ai33)
+        b_XC = chunked_solve_dot(b_Ai33, tl.where(m_couple4, b_A33, 0.0), DOT_PRECISION)
+        b_Ai33 = chunked_solve_dot(-b_XC, b_Ai33, DOT_PRECISION, b_Ai33)
+        b_XC = chunked_solve_dot(b_Ai33, tl.where(m_couple8, b_A33, 0.0), DOT_PRECISION)
+        b_Ai33 = chunked_solve_dot(-b_XC, b_Ai33, DOT_PRECISION, b_Ai33)
         # [16, 16] (I + A)^-1_32 = -(I + A)^-1_33 sum_{m = 2}^{2} A_3m (I + A)^-1_m2
-        b_Ai32 = -tl.dot(b_Ai33, tl.dot(b_A32, b_Ai22, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A32, b_Ai22, DOT_PRECISION)
+        b_Ai32 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_31 = -(I + A)^-1_33 sum_{m = 1}^{2} A_3m (I + A)^-1_m1
-        b_Ai31 = -tl.dot(b_Ai33, tl.dot(b_A31, b_Ai11, input_precision="ieee") + tl.dot(b_A32, b_Ai21, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A31, b_Ai11, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A32, b_Ai21, DOT_PRECISION, b_X)
+        b_Ai31 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # [16, 16] (I + A)^-1_30 = -(I + A)^-1_33 sum_{m = 0}^{2} A_3m (I + A)^-1_m0
-        b_Ai30 = -tl.dot(b_Ai33, tl.dot(b_A30, b_Ai00, input_precision="ieee") + tl.dot(b_A31, b_Ai10, input_precision="ieee") + tl.dot(b_A32, b_Ai20, input_precision="ieee"), input_precision="ieee")
+        b_X = chunked_solve_dot(b_A30, b_Ai00, DOT_PRECISION)
+        b_X = chunked_solve_dot(b_A31, b_Ai10, DOT_PRECISION, b_X)
+        b_X = chunked_solve_dot(b_A32, b_Ai20, DOT_PRECISION, b_X)
+        b_Ai30 = -chunked_solve_dot(b_Ai33, b_X, DOT_PRECISION)
         # rows 48 .. 63 of (I + A)^-1 [BT, BT]: the blocks above, zeros right of the diagonal block
         tl.store(ai + o_tok3[:, None] * BT + 0 + o_j[None, :], chunked_cast(b_Ai30, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
         tl.store(ai + o_tok3[:, None] * BT + 16 + o_j[None, :], chunked_cast(b_Ai31, ai.dtype.element_ty, DOT_PRECISION), mask=m_t3[:, None])
@@ -1937,24 +1946,23 @@ def chunked_bwd_wy_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         m_tv = m_t[:, None] & m_v[None, :]
-        m_vt = m_v[:, None] & m_t[None, :]
-        # [BT, BV] dU and the values, [BV, BT] the values transposed by the load
+        # [BT, BV] dU and the values, [BV, BT] the values transposed in registers
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_v = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_vt = tl.load(v + o_tok[None, :] * V + o_v[:, None], mask=m_vt, other=0.0).to(tl.float32)
+        b_vt = tl.trans(b_v)
         b_dx = chunked_dot(b_Tt, b_du, DOT_PRECISION)
         tl.store(dv + o_tok[:, None] * V + o_v[None, :], (b_dx * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_db += tl.sum(b_dx * b_v, 1)
         b_dT = chunked_dot(b_du, b_vt * b_beta[None, :], DOT_PRECISION, b_dT)
     # [BT, BF] dW, as step 4a stored it
     b_dw = tl.load(dw + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-    # [BT, BK] the raw keys, their features k̂ [BT, BF]; [BK, BT] -> [BF, BT] keys transposed by the load
+    # [BT, BK] the raw keys, their features k̂ [BT, BF] and k̂^T [BF, BT]
     b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k_phi = b_k
     b_k_rn = tl.rsqrt(tl.sum(b_k_phi * b_k_phi, 1) + 1e-06)
     b_k_hat = b_k_phi * b_k_rn[:, None]
-    b_kt = tl.load(k + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-    b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+    # [BF, BT] the features transposed in registers
+    b_kt = tl.trans(b_k_hat)
     # [BT, BF] and [BF, BT] log decay per token and feature (0 on padded tokens), cumulated in G_DTYPE
     b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
     b_G = tl.cumsum(b_g, 0)

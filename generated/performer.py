@@ -483,8 +483,10 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # decayed in the state pass: the same bytes read per chunk (the stored keys in place of k), one more
 # write of T F per head in the chunk-parallel pass, and the sequential loop left with one dot, no
 # l2 norm, feature map or cumsum of log decays on its critical path.
-# Keys enter tl.dot transposed through a second, transposed load (b_kt), never as tl.trans of
-# a value computed by tl.dot (FAVOR+ features are): Triton 3.4-3.7 miscompile that on Hopper.
+# Keys a kernel holds by rows enter tl.dot transposed as tl.trans of their features (b_kt) where the
+# map is elementwise; FAVOR+ features, a value computed by tl.dot, through a second, transposed load:
+# Triton 3.4-3.7 miscompile a tl.trans of a dot's result on Hopper. Tiles a kernel needs only
+# transposed are loaded so.
 # Glossary: BT chunk length (tokens), BK / BF / BV key / feature / value lanes, o_i token index
 # inside the chunk, Γ = exp(G), Γ_C the decay over the whole chunk. H is the value (state) heads: v,
 # g, beta, o and every per-token buffer have H; q and k have H // QK_GROUP (grouped value heads), read
