@@ -6,6 +6,7 @@ step's time in a CUDA graph of one step and per step of a graph of 16, with the 
 bandwidth (state read and written once per step).
 
     python bench/probe_decode.py [--batch 1,64,256] [--launches "64,4;128,4;128,8;32,2"] [--device cuda]
+        [--module FILE]
 
 A launch is "BV,warps". The kernel is the generated module's recurrent_fwd_kernel, launched here
 as its recurrent_launch does but for those two values. On a CPU (Triton's interpreter: use small
@@ -33,7 +34,7 @@ def launcher(module, normalized: bool, BV: int, warps: int):
         VS = V + 1 if normalized else V
         meta = dict(BK=triton.next_power_of_2(K), BF=triton.next_power_of_2(F), BV=BV, IS_VARLEN=varlen,
                     HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed, QK_GROUP=qk_group, num_warps=warps)
-        grid = (N * H, triton.cdiv(V, BV))
+        grid = (N * H * triton.cdiv(V, BV),)
 
         def run(q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices, S, scale):
             module.recurrent_fwd_kernel[grid](q, k, v, g, beta, omega, h0, o, ht, cu_seqlens, state_indices,
@@ -48,12 +49,18 @@ def main(argv=None) -> int:
     p.add_argument("--launches", default="8,1;16,1;32,2;64,4;64,2;128,4;128,8")
     p.add_argument("--slots", type=int, default=512)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--module", default=None, metavar="FILE", help="an edited excerpt of gated_deltanet's rendering: "
+                   "imports, recurrent_fwd_kernel, recurrent_launch")
     args = p.parse_args(argv)
     launches = [tuple(map(int, item.split(","))) for item in args.launches.split(";") if item]
     device = torch.device(args.device)
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml")
     module = runtime.kernels_for(op)
     own = module.recurrent_launch
+    edited = []
+    if args.module:
+        from attngen import codegen
+        edited = [("edited", codegen._import("probe_decode_edited_module", Path(args.module).resolve()).recurrent_launch)]
     print(f"{'B':>5} {'launch':>14} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6}  same as the launcher's")
     for batch in map(int, args.batch.split(",")):
         gen = torch.Generator().manual_seed(batch)
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
         slots = torch.randperm(cache.num_slots, device=device)[:batch].to(torch.int32)
         results = {}
         for label, make in [("launcher", own)] + [(f"BV={bv} warps={w}", launcher(module, op.spec.normalize == "sum", bv, w))
-                                                  for bv, w in launches]:
+                                                  for bv, w in launches] + edited:
             module.recurrent_launch = make
             try:
                 with torch.no_grad():
@@ -78,6 +85,8 @@ def main(argv=None) -> int:
                     results[label] = (o, cache.state[slots.long()].clone())
                     ref_o, ref_s = results["launcher"]
                     same = bool(torch.equal(o, ref_o) and torch.equal(results[label][1], ref_s))
+                    if not same:
+                        same = f"no: largest rel diff {max(float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in ((o, ref_o), (results[label][1], ref_s))):.1e}"
                     timing = ""
                     if device.type == "cuda":
                         t_graph = us(graphed(lambda: step(**x, slots=slots)))

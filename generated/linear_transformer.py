@@ -71,7 +71,9 @@ def recurrent_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STATE_INDEXED: tl.constexpr,
     QK_GROUP: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(1), tl.program_id(0)
+    # a 1-D grid with a head's value blocks adjacent: they read the two sides of the same state rows at
+    # about the same time (decode at batch 256 on the H200: 144.0 -> 141.7 us, bench/probe_decode.py)
+    i_v, i_nh = tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(0) // tl.cdiv(V, BV)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -147,7 +149,7 @@ def recurrent_launch(B, T, H, K, V, F, N, varlen, has_h0, store_ht, indexed, qk_
         # in place, every value block's program reads the normalizer column z and the first writes
         # it back: one block spans V, so no program reads a z that another has already written
         BV = pow2_ceil(V)
-    grid = (N * H, ceil_div(V, BV))
+    grid = (N * H * ceil_div(V, BV),)
     dims = (H, K, V, F, VS)
     x_scale, f_scale = K ** -0.25, F ** -0.5
     meta = dict(BK=BK, BF=BF, BV=BV, IS_VARLEN=varlen, HAS_H0=has_h0, STORE_HT=store_ht, STATE_INDEXED=indexed,
