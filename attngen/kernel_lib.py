@@ -110,11 +110,11 @@ def chunked_solve_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
     # CUDA cores) for float32 and float64 inputs. H200, gated_deltanet B4 T8192 H16 K = V = 128 bf16:
     # the UT step 466 -> 426 us against "ieee" (BENCHMARKS.md 2026-12-04, seventh run).
     if DOT_PRECISION == "bf16" or DOT_PRECISION == "tf32":
-        c = tl.dot(a, b, acc, input_precision="tf32")
+        c = chunked_dot(a, b, "tf32", acc)
     elif DOT_PRECISION == "bf16_emulated" or DOT_PRECISION == "tf32_emulated":
-        c = tl.dot(chunked_round(a, 13), chunked_round(b, 13), acc, input_precision="ieee")
+        c = chunked_dot(a, b, "tf32_emulated", acc)
     else:
-        c = tl.dot(a, b, acc, input_precision="ieee")
+        c = chunked_dot(a, b, "ieee", acc)
     return c
 
 
