@@ -79,10 +79,10 @@ def ut(mod, k, v, g, beta, chunk: int, warps: int, wu_warps: int = 0, maxnreg: i
     ut_meta = dict(meta, FUSED_WU=not split) if splits else meta
 
     def launch():
-        mod.chunked_ut_kernel[(n_slots, H)](*args, **ut_meta, num_warps=warps)
+        mod.chunked_ut_kernel[(n_slots * H,)](*args, **ut_meta, num_warps=warps)
         if split:
             # the step split in two: the inverse, then W, U0 and the keys
-            mod.chunked_wu_kernel[(n_slots, H)](*args, **meta, num_warps=wu_warps)
+            mod.chunked_wu_kernel[(n_slots * H,)](*args, **meta, num_warps=wu_warps)
     return launch, (w, u, kr)
 
 

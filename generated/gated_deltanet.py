@@ -533,7 +533,7 @@ def chunked_ut_kernel(
     # Then, with FUSED_WU (else chunked_wu_kernel does it), W, U0, K ⊙ Γ_C/Γ and Γ_C for the state
     # pass, from the stored rows read back as one [BT, BT] tile (its dots at the chunk's full width,
     # not 16-row blocks).
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -846,7 +846,7 @@ def chunked_wu_kernel(
     # (I + A)^-1 chunked_ut_kernel stored (AI_W wide: BT, or the forward's chunk), W, U0, K ⊙ Γ_C/Γ and Γ_C
     # for the state pass, at warps of their own: the inverse's 16-row blocks and these [BT, BT] dots
     # are fastest at different warps, and each kernel holds fewer live tiles than the two in one
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -996,7 +996,7 @@ def chunked_output_kernel(
 ):
     # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
     # state S_c
-    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_s, i_vh = tl.program_id(0) // (tl.cdiv(V, BV) * H), tl.program_id(0) % (tl.cdiv(V, BV) * H)
     i_v, i_h = i_vh // H, i_vh % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1151,13 +1151,13 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     ut_meta = dict(BV=BV, QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), maxnreg=launch.maxnreg,
                    **meta)
     if not kept:
-        chunked_ut_kernel[(n_slots, H)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps,
+        chunked_ut_kernel[(n_slots * H,)](*ut_args, FUSED_WU=launch.wu_warps == 0, num_warps=launch.prepare_warps,
                                         **ut_meta)
     if kept or launch.wu_warps:
         # W, U0 and the keys as a kernel of their own (planner.ChunkedLaunch.wu_warps), or from the rows a
         # forward kept, ai.shape[-1] wide, at the backward's warps for them (bwd_wu_warps)
         warps = launch.bwd_wu_warps if kept else launch.wu_warps
-        chunked_wu_kernel[(n_slots, H)](*ut_args, AI_W=ai.shape[-1], num_warps=warps, **ut_meta)
+        chunked_wu_kernel[(n_slots * H,)](*ut_args, AI_W=ai.shape[-1], num_warps=warps, **ut_meta)
     h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
     hz = None
     indexed = state_indices is not None
@@ -1195,7 +1195,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(kr=None, gc=None, w=None, ai=None)
     o = torch.empty_like(v)
     for kernel in CHUNKED_OUTPUT_KERNELS:
-        kernel[(st.n_slots, ceil_div(V, BV) * H)](
+        kernel[(st.n_slots * ceil_div(V, BV) * H,)](
             q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
             T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
             BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
@@ -1275,7 +1275,7 @@ def chunked_bwd_du_local_kernel(
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1425,7 +1425,7 @@ def chunked_bwd_dq_kernel(
     # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
     # for step 4b (dgq, dgc); and
     # dW = -dU h_c^T, the UT transform's gradient of W, for step 5
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1527,7 +1527,7 @@ def chunked_bwd_dk_kernel(
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # step 4's shares of dk̂ and of the decay gradient (with step 4a's query terms)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1619,7 +1619,7 @@ def chunked_bwd_wy_kernel(
 ):
     # step 5, one program per chunk slot and head: the UT transform's backward, from dU (= dU0) and
     # dW = -dU h_c^T (step 4a's) -> dv, dβ, dk, dg
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1768,7 +1768,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # step 2: the intra-chunk dU (completed in place by step 3) and the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **tiles), torch.empty(B, T, H, F, **tiles)
-    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+    chunked_bwd_du_local_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
@@ -1792,7 +1792,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dw = torch.empty(B, T, H, F, **tiles)
     # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, for 4b
     dgc = torch.empty(st.n_slots, H, F, **f32)
-    chunked_bwd_dq_kernel[(st.n_slots, H)](
+    chunked_bwd_dq_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
         x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
@@ -1800,7 +1800,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(h=None)
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = torch.empty(g.shape, **f32)
-    chunked_bwd_dk_kernel[(st.n_slots, H)](
+    chunked_bwd_dk_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, ds, dgc, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
@@ -1812,7 +1812,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dg = torch.empty_like(g)
     # a [BT, BT] float32 slot per program, where it transposes dA
     da = torch.empty(st.n_slots, H, chunk, chunk, **f32)
-    chunked_bwd_wy_kernel[(st.n_slots, H)](
+    chunked_bwd_wy_kernel[(st.n_slots * H,)](
         k, v, g, beta, omega, st.ai, du, dw, dk_part, dg_part, da, dk, dv, dbeta, dg, **chunks, T=T, H=H, K=K, V=V,
         F=F, x_scale=K ** -0.25, f_scale=F ** -0.5, AI_W=st.ai.shape[-1], **dict(parallel, BV=launch.bwd_wy_BV, num_warps=launch.bwd_wy_warps),
     )

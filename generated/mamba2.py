@@ -573,7 +573,7 @@ def chunked_output_kernel(
 ):
     # one program per (chunk slot, value block x head): O = (Q ⊙ Γ) S_c + P U from the chunk-start
     # state S_c
-    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_s, i_vh = tl.program_id(0) // (tl.cdiv(V, BV) * H), tl.program_id(0) % (tl.cdiv(V, BV) * H)
     i_v, i_h = i_vh // H, i_vh % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -759,7 +759,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(kr=None, gc=None)
     o = torch.empty_like(v)
     for kernel in CHUNKED_OUTPUT_KERNELS:
-        kernel[(st.n_slots, ceil_div(V, BV) * H)](
+        kernel[(st.n_slots * ceil_div(V, BV) * H,)](
             q, k, v, g, omega, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
             T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
             BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
@@ -825,7 +825,7 @@ def chunked_bwd_du_local_kernel(
 ):
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1010,7 +1010,7 @@ def chunked_bwd_dq_kernel(
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
     # for step 4b (dgq, dgc)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1105,7 +1105,7 @@ def chunked_bwd_dk_kernel(
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # dk, the decay gradient (with step 4a's query terms)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1227,7 +1227,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
     # the queries of the state gradient
     du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
-    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+    chunked_bwd_du_local_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
@@ -1259,11 +1259,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgq, dg = torch.empty(g.shape, **f32), torch.empty_like(g)
     # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, 4a's for 4b
     dgc = torch.empty(st.n_slots, H, F, **f32)
-    chunked_bwd_dq_kernel[(st.n_slots, H)](
+    chunked_bwd_dq_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, u, st.h, ds, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
-    chunked_bwd_dk_kernel[(st.n_slots, H)](
+    chunked_bwd_dk_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, u, ds, dgc, dgq, dk, dg, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )

@@ -507,7 +507,7 @@ def chunked_keys_kernel(
 ):
     # one program per chunk slot and head, chunk-parallel: the keys of the chunk's state update
     # (feature map), so the sequential pass only multiplies
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -665,7 +665,7 @@ def chunked_output_kernel(
     # state S_c, divided by n = (Q ⊙ Γ) z_c + rowsum(P) + eps
     # NORM_GRAD (the backward's use): instead of o, store n, this value block's share of
     # c = -do.õ / n^2, õ = [o n] the unnormalized outputs, and (into o) do / n
-    i_s, i_vh = tl.program_id(0), tl.program_id(1)
+    i_s, i_vh = tl.program_id(0) // (tl.cdiv(V, BV) * H), tl.program_id(0) % (tl.cdiv(V, BV) * H)
     i_v, i_h = i_vh // H, i_vh % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -821,7 +821,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     # the keys K ⊙ Γ_C/Γ
     kr = torch.empty(B, T, H, F, device=q.device, dtype=chunked_pass_dtype(q.dtype))
     gc = None
-    chunked_keys_kernel[(n_slots, H)](
+    chunked_keys_kernel[(n_slots * H,)](
         k, g, omega, kr, gc, cu_seqlens, chunk_offsets, chunk_seq, T, H, K, F, K ** -0.25, F ** -0.5,
         BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, QK_GROUP=chunked_qk_group(q, v),
         G_DTYPE=chunked_decay_dtype(q.dtype), DOT_PRECISION=chunked_dot_precision(q.dtype),
@@ -868,7 +868,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     st = st._replace(gc=None)
     o = torch.empty_like(v)
     for kernel in CHUNKED_OUTPUT_KERNELS:
-        kernel[(st.n_slots, ceil_div(V, BV) * H)](
+        kernel[(st.n_slots * ceil_div(V, BV) * H,)](
             q, k, v, g, omega, st.kr, None, st.u, st.h, st.hz, o, None, None, None, cu_seqlens, st.chunk_offsets, st.chunk_seq,
             T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
             BT=chunk, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=False,
@@ -939,7 +939,7 @@ def chunked_bwd_du_local_kernel(
     # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
     # dU = P^T dO (into du, which step 3 completes); Q̂ for step 3 (qg); the normalizer
     # column's share of the state gradient, Q̂^T c (rz)
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1103,7 +1103,7 @@ def chunked_bwd_dq_kernel(
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1184,7 +1184,7 @@ def chunked_bwd_dk_kernel(
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # dk
-    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
         i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
@@ -1304,7 +1304,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # and the queries' features Q̂ (with scale), which steps 2 and 3 read (planner.stored_features)
     qg = torch.empty(B, T, H, F, **tiles)
     for kernel in CHUNKED_OUTPUT_KERNELS:
-        kernel[(st.n_slots, ceil_div(V, OBV) * H)](
+        kernel[(st.n_slots * ceil_div(V, OBV) * H,)](
             q, k, v, g, omega, st.kr, qg, None, st.h, st.hz, do_n, norm, c_part, do, cu_seqlens, st.chunk_offsets, st.chunk_seq,
             T, B * T, H, K, V, F, scale, K ** -0.25, F ** -0.5,
             BT=chunk, BK=BK, BF=BF, BV=OBV, IS_VARLEN=cu_seqlens is not None, NORM_GRAD=True,
@@ -1319,7 +1319,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     du = torch.empty(B, T, H, V, **f32)
     # and the chunks' products (Q̂)^T c [chunk slots, H, F], step 3's for the normalizer column
     rz = torch.empty(st.n_slots, H, F, **f32)
-    chunked_bwd_du_local_kernel[(st.n_slots, H)](
+    chunked_bwd_du_local_kernel[(st.n_slots * H,)](
         q, k, g, omega, st.kr, do, du, qg, c, rz, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
         f_scale=F ** -0.5, **parallel,
     )
@@ -1352,11 +1352,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 4a: dq; 4b: dk
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
-    chunked_bwd_dq_kernel[(st.n_slots, H)](
+    chunked_bwd_dq_kernel[(st.n_slots * H,)](
         q, k, g, omega, qg, st.kr, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
     )
-    chunked_bwd_dk_kernel[(st.n_slots, H)](
+    chunked_bwd_dk_kernel[(st.n_slots * H,)](
         q, k, g, omega, qg, st.kr, do, c, u, ds, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
     )
