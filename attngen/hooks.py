@@ -25,6 +25,13 @@ class NoDecay:
         return self.kind != "none"
 
     @property
+    def pair_macros(self) -> str:
+        """The template of the pair sums with this decay (templates/pairs/: the UT step's ut_block_decays and
+        ut_block_pair, the backward's scores_t, key_pairs, pairs_rows and pairs_cols), which the chunked
+        templates import as `pairs`."""
+        return "pairs/none.jinja"
+
+    @property
     def token_dg(self) -> bool:
         """Whether the decay gradient is per token (scalar, vector); a constant decay's is one sum."""
         return self.kind in ("scalar", "vector")
@@ -106,6 +113,10 @@ class ScalarDecay(NoDecay):
 
     kind: str = "scalar"
 
+    @property
+    def pair_macros(self) -> str:
+        return "pairs/scalar.jinja"
+
     def rows_times(self, x: str, gam: str) -> str:
         return f"{x} * {gam}[:, None]"
 
@@ -158,6 +169,10 @@ class VectorDecay(NoDecay):
     [B, T, H, K]."""
 
     kind: str = "vector"
+
+    @property
+    def pair_macros(self) -> str:
+        return "pairs/vector.jinja"
 
     def rows_times(self, x: str, gam: str) -> str:
         return f"{x} * {gam}"

@@ -216,6 +216,16 @@ def test_hooks_of_every_rule_and_decay():
     assert hooks.decay_hook("scalar").next_chunk_decay("(s)").splitlines()[::2] == [
         "b_gam_C = b_gam_C_next", "b_gam_C_next = tl.load(gc + (s) * H + i_h)"]
     assert hooks.decay_hook("none").first_chunk_decay_ahead("boc", "NT > 0") == ""
+    # the pair sums: one template per decay, each with the macros the step templates call
+    templates = ROOT / "attngen" / "templates"
+    assert {hooks.decay_hook(d).pair_macros for d in ("none", "constant", "scalar", "vector")} == {
+        f"pairs/{p.name}" for p in (templates / "pairs").glob("*.jinja")}
+    assert hooks.decay_hook("constant").pair_macros == hooks.decay_hook("scalar").pair_macros
+    for path in (templates / "pairs").glob("*.jinja"):
+        text = path.read_text()
+        for macro in ("ut_block_decays(i)", "ut_block_pair(i, j)", "scores_t()", "key_pairs(keys, keys_t)",
+                      "pairs_rows(dM, keys, out)", "pairs_cols(dMt, x, x_tile, out, scaled)"):
+            assert f"{{% macro {macro} -%}}" in text, (path.name, macro)
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
