@@ -903,42 +903,50 @@ def chunked_wu_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    m_k, m_f = o_k < K, o_f < F
     # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
     o_i = tl.arange(0, BT)
     o_t = i_c * BT + o_i
     m_t = o_t < T_seq
     o_tok = (bos + o_t) * H + i_h
-    m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in G_DTYPE
-    b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
-    b_G = tl.cumsum(b_g, 0)
-    # [BF]
-    b_GC = tl.sum(b_g, 0)
-    # Γ_t and Γ_C/Γ_t; [BF] Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-
-    # [BT, BK] -> [BT, BF]
-    b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
-    # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)
-    tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest).to(kr.dtype.element_ty), mask=m_tf)
-    tl.store(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_gam_C, mask=m_f)
+    FB: tl.constexpr = BF if BF < 64 else 64
+    # [BT] 1 / |phi(k)| over every feature, by blocks
+    b_ss = tl.zeros([BT], dtype=tl.float32)
+    for f0 in range(0, BF, FB):
+        o_f = f0 + tl.arange(0, FB)
+        m_f = o_f < F
+        b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(tl.float32)
+        b_ss += tl.sum(b_k * b_k, 1)
+    b_rn = tl.rsqrt(b_ss + 1e-06)
     # [BT] (0 on padded tokens)
     b_beta = tl.load(beta + o_tok, mask=m_t, other=0.0).to(tl.float32)
-    # [BT, BF] diag(β) (K ⊙ Γ)
-    b_y = b_k * b_gam * b_beta[:, None]
     # [BT, BT] the chunk's diagonal block of the stored rows, AI_W wide (a forward's, at a chunk AI_W a
     # multiple of BT: chunked_keeps_inverse)
     b_Ai = tl.load(ai + o_tok[:, None] * AI_W + (i_c * BT) % AI_W + o_i[None, :], mask=m_t[:, None], other=0.0)
-    # [BT, BF] W = (I + A)^-1 diag(β) (K ⊙ Γ)
-    b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
-    tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
+    # features f0 .. f0 + FB - 1 (an elementwise map: feature f of key lane f)
+    for f0 in range(0, BF, FB):
+        o_f = f0 + tl.arange(0, FB)
+        m_f = o_f < F
+        m_tf = m_t[:, None] & m_f[None, :]
+        # [BT, BF] log decay per token and feature (0 on padded tokens), cumulated in G_DTYPE
+        b_g = floor_log_decay(tl.load(g + o_tok[:, None] * K + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0).to(G_DTYPE))
+        b_G = tl.cumsum(b_g, 0)
+        # [BF]
+        b_GC = tl.sum(b_g, 0)
+        # Γ_t and Γ_C/Γ_t; [BF] Γ_C
+        b_gam = tl.exp(b_G.to(tl.float32))
+        b_gam_rest = tl.exp((b_GC[None, :] - b_G).to(tl.float32))
+        b_gam_C = tl.exp(b_GC.to(tl.float32))
+        # [BT, FB] the block's features
+        b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
+        b_k = b_k * b_rn[:, None]
+        # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)
+        tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest).to(kr.dtype.element_ty), mask=m_tf)
+        tl.store(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_gam_C, mask=m_f)
+        # [BT, BF] diag(β) (K ⊙ Γ)
+        b_y = b_k * b_gam * b_beta[:, None]
+        # [BT, FB] W = (I + A)^-1 diag(β) (K ⊙ Γ)
+        b_w = chunked_dot(b_Ai, b_y, DOT_PRECISION)
+        tl.store(w + o_tok[:, None] * F + o_f[None, :], b_w.to(w.dtype.element_ty), mask=m_tf)
     # [BT, BV] U0 = (I + A)^-1 diag(β) V, by value blocks
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
