@@ -8,6 +8,14 @@ outside the GIL), which also builds each kernel's C launcher; then it runs for r
 compiled kernels. A later call of that kind skips
 the pass; one whose kernels are all compiled costs its host time only.
 
+The first call in a process also pays one-time costs that are not compilation. Where they would
+hold back the pool, they are moved beside it: Triton's hash of its own sources and library
+(triton_key, which reads libtriton, about a second) and its CUDA driver's utilities (a C module it
+builds) run on a thread of their own from the moment an op is made (warm); the dry run calls the
+generated kernels without the dispatcher, and the import of torch._dynamo, which torch's custom
+ops make on their first call (two seconds on the H200's host), runs while the pool compiles
+(gated_deltanet's first call: BENCHMARKS.md).
+
 ATTNGEN_COMPILE_THREADS: threads of the pool (default: the CPU count, at most 16); 1 turns the
 pass off (each kernel then compiles when it is first launched, as in plain Triton).
 """
@@ -17,6 +25,7 @@ import contextlib
 import contextvars
 import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Hashable
 
@@ -24,6 +33,7 @@ import torch
 
 _COMPILE_ONLY = contextvars.ContextVar("attngen_compile_only", default=False)
 _SEEN: set = set()
+_WARM: list[threading.Thread] = []
 
 
 def threads() -> int:
@@ -62,14 +72,53 @@ class _Pool(ThreadPoolExecutor):
 def _with_launcher(compile_fn, *args, **kwargs):
     """compile_fn's kernel, its C launcher built: Triton builds a kernel's launcher (a C compiler
     run, up to a second, kept in its cache) when the kernel is first launched, on the launching
-    thread; built here, the launch finds it in the cache."""
+    thread; built here, the launch finds it in the cache. The launcher's source depends on the
+    kernel's signature alone where the kernel takes no tensor descriptor: it is then built beside
+    the compilation (_launcher_ahead) rather than after it."""
+    ahead = _launcher_ahead(compile_fn)
     kernel = compile_fn(*args, **kwargs)
+    if ahead is not None:
+        ahead.join()
     try:
         from triton.runtime import driver
         driver.active.launcher_cls(kernel.src, kernel.metadata)
     except Exception:  # noqa: BLE001 -- not built here, the first launch builds it (and reports any error)
         pass
     return kernel
+
+
+# What Triton's CUDA launcher reads of a compiled kernel's metadata besides the signature, for a
+# launcher built before the kernel is compiled (only its C module is kept: in Triton's cache)
+_LAUNCHER_METADATA = dict(tensordesc_meta=None, num_ctas=1, global_scratch_size=0, global_scratch_align=1,
+                          profile_scratch_size=0, profile_scratch_align=1, launch_cooperative_grid=False,
+                          launch_pdl=False)
+
+
+def _launcher_ahead(compile_fn) -> threading.Thread | None:
+    """A started thread building the C launcher of the kernel compile_fn compiles (Triton's
+    AsyncCompileMode job: its `src` is the kernel's ASTSource), or None where the kernel takes a
+    tensor descriptor (its launcher depends on the compiled metadata) or the job is not one."""
+    try:
+        from types import SimpleNamespace
+
+        from triton.runtime import driver
+        names = compile_fn.__code__.co_freevars
+        src = dict(zip(names, (cell.cell_contents for cell in compile_fn.__closure__ or ())))["src"]
+        if any("tensordesc" in str(kind) for kind in src.signature.values()):
+            return None
+        launcher_cls, metadata = driver.active.launcher_cls, SimpleNamespace(**_LAUNCHER_METADATA)
+    except Exception:  # noqa: BLE001 -- Triton's internals differ: the launcher is built after the kernel
+        return None
+
+    def build():
+        try:
+            launcher_cls(src, metadata)
+        except Exception:  # noqa: BLE001 -- built after the kernel instead (and any error reported there)
+            pass
+
+    thread = threading.Thread(target=build, name="attngen-launcher", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager
@@ -103,6 +152,26 @@ def applies(device: torch.device) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def warm() -> None:
+    """Once per process, where kernels compile (a CUDA GPU, not the interpreter) with a pool: start
+    Triton's one-time work before a first compilation (triton_key, the driver) on a thread of its own,
+    which first_call joins."""
+    if _WARM or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or threads() < 2:
+        return
+    _WARM.append(threading.Thread(target=_warm, name="attngen-warm", daemon=True))
+    _WARM[0].start()
+
+
+def _warm() -> None:
+    try:
+        from triton.runtime import driver
+        from triton.runtime.cache import triton_key
+        triton_key()
+        driver.active.get_current_target()
+    except Exception:  # noqa: BLE001 -- nothing done here: the first compilation does it (and reports any error)
+        pass
+
+
 def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
     """Before the first call of `kind`: dry_run() (the call's launches, forward and backward) with
     compilation only, on the pool. Nothing when the kind was seen or the pool has one thread."""
@@ -110,20 +179,26 @@ def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
         return
     workers = threads()
     if workers > 1:
+        for thread in _WARM:
+            thread.join()
         with compile_only(workers):
             dry_run()
+            # while the pool compiles: the import that the call's registered ops make on their first
+            # call (torch.library's custom ops disable torch._dynamo around their functions)
+            import torch._dynamo  # noqa: F401
     _SEEN.add(kind)
 
 
 def dry_run(module, args: tuple, backward: bool) -> None:
-    """A generated module's op(*args) and, with `backward`, its backward as autograd would call it
-    (the gradient of o, and None for the other outputs: the op's autograd does not materialize
-    zeros for them): inside compile_only(), the launches of a
-    call's forward and backward. The backward is called here, not through autograd, whose engine
-    runs a CUDA backward on a thread of its own, outside compile_only()."""
+    """A generated module's forward(*args), the body of its op, and, with `backward`, its backward as
+    autograd would call it (the gradient of o, and None for the other outputs: the op's autograd
+    does not materialize zeros for them): inside compile_only(), the launches of a call's forward
+    and backward. Both without the dispatcher (the registered ops' first call imports torch._dynamo:
+    first_call makes that import while the pool compiles). The backward is called here, not through
+    autograd, whose engine runs a CUDA backward on a thread of its own, outside compile_only()."""
     with torch.no_grad():
-        outs = module.op(*args)
+        outs = module.forward(*args)
         if backward:
             n = len(module.SAVED_INPUTS)
             grads = (torch.empty_like(outs[0]), *[None] * (len(outs) - 1))
-            module.backward(*args[:n], *args[n:], *outs, *grads)
+            module.backward(*args[:n], *args[n:], *outs, *grads, dispatch=False)

@@ -2330,13 +2330,8 @@ def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
-@torch.library.custom_op("attngen::kda_782f2ff1584ebf0f_bwd", mutates_args=())
-def backward_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
-    omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # An op of its own, so that torch.compile traces the backward as one opaque call.
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
+    """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
@@ -2346,6 +2341,16 @@ def backward_op(
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
 
+@torch.library.custom_op("attngen::kda_782f2ff1584ebf0f_bwd", mutates_args=())
+def backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+    omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # An op of its own, so that torch.compile traces the backward as one opaque call.
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht)
+
+
 @backward_op.register_fake
 def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
@@ -2353,18 +2358,20 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, s
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None):
+             o, ht, saved, do, dht, dsaved=None, dispatch=True):
     """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
     (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
-    order (None for omega and cu_seqlens, and for inputs that were None).
+    order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
+    registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
     expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
     summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
     dht = dht if output_final_state and dht is not None and dht.numel() else None
     group = v.shape[2] // q.shape[2]
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
-    dq, dk, dv, dg, dbeta, dh0 = backward_op(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form,
-                                             launch, saved, do.contiguous(), dht)
+    run = backward_op if dispatch else backward_kernels
+    dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
+                                     do.contiguous(), dht)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))

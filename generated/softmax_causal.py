@@ -762,15 +762,20 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
 # The backward runs as an op of its own, so torch.compile (AOTAutograd traces the backward with
 # fake tensors) records one call instead of tracing into the kernel launches. An op returns
 # tensors only: dg without decay travels as an empty tensor.
+def softmax_bwd_kernels(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
+    """softmax_bwd_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
+    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
+                                        dlse)
+    return dq, dk, dv, dg if dg is not None else q.new_empty(0)
+
+
 @torch.library.custom_op("attngen::softmax_causal_dfdb521cefe6f4ba_softmax_bwd", mutates_args=())
 def softmax_bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, max_len: Optional[int], launch: list[int], o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
     dlse: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv, dg = softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, softmax_launch(launch), o, lse, do,
-                                        dlse)
-    return dq, dk, dv, dg if dg is not None else q.new_empty(0)
+    return softmax_bwd_kernels(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse)
 
 
 @softmax_bwd_op.register_fake
@@ -782,16 +787,18 @@ def _(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
 SOFTMAX_BACKWARD = ("parallel",)
 
 
-def softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse=None):
+def softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse=None, dispatch=True):
     """Gradients of one call: (dq, dk, dv, dg, None) in the op's input order (dg None without
     decay, None for cu_seqlens). max_len the longest packed sequence (read from cu_seqlens when
     None); launch the op's launch ints (SoftmaxLaunch); lse is the forward's [B, H, Tq] ([H, total]
-    packed), dlse the gradient of a loss on it (None: none)."""
+    packed), dlse the gradient of a loss on it (None: none). dispatch: through the registered
+    softmax_bwd_op (autograd, torch.compile), or False its kernels alone (the first call's dry run)."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     g = g.contiguous() if g is not None else None
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     dlse = dlse.contiguous() if dlse is not None else None
-    dq, dk, dv, dg = softmax_bwd_op(q, k, v, g, cu_seqlens, scale, max_len, list(launch), o, lse, do, dlse)
+    run = softmax_bwd_op if dispatch else softmax_bwd_kernels
+    dq, dk, dv, dg = run(q, k, v, g, cu_seqlens, scale, max_len, list(launch), o, lse, do, dlse)
     return dq, dk, dv, dg if g is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
@@ -861,10 +868,10 @@ def cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scal
 BACKWARD_FORMS = SOFTMAX_BACKWARD
 
 
-def backward(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
+def backward(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse, dispatch=True):
     """Gradients of one call, of a loss on o and on lse: (dq, dk, dv, dg, None) in the op's
-    input order."""
-    return softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse)
+    input order; dispatch as softmax_bwd's."""
+    return softmax_bwd(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse, dispatch)
 
 
 # ---------------------------------------------------------------------------- autograd

@@ -100,3 +100,101 @@ def test_kind_leaves_out_batch_tokens_and_sequences():
     assert kinds(2, 100, 4, 64, 2) == kinds(8, 4096, 4, 64, 8)
     assert kinds(2, 100, 4, 64, 2) != kinds(2, 100, 8, 64, 2)
     assert kinds(2, 100, 4, 64, 2) != kinds(2, 100, 4, 128, 2)
+
+
+class _FakeModule:
+    """A generated module's surface that compiling.dry_run calls, recording how."""
+    SAVED_INPUTS = ("q", "k")
+
+    def __init__(self):
+        self.calls = []
+
+    def op(self, *args):
+        raise AssertionError("the dry run went through the registered op")
+
+    def forward(self, *args):
+        self.calls.append(("forward", args))
+        return torch.zeros(3), None
+
+    def backward(self, *args, dispatch=True):
+        self.calls.append(("backward", len(args), dispatch))
+
+
+def test_dry_run_calls_the_kernels_without_the_dispatcher():
+    """The registered ops' first call imports torch._dynamo (some seconds): the dry run calls the
+    generated forward and the backward's kernels directly, so that their compilations start first."""
+    module = _FakeModule()
+    compiling.dry_run(module, ("q", "k", "scale"), backward=True)
+    assert module.calls == [("forward", ("q", "k", "scale")), ("backward", 3 + 2 + 2, False)]
+    module = _FakeModule()
+    compiling.dry_run(module, ("q", "k", "scale"), backward=False)
+    assert [c[0] for c in module.calls] == ["forward"]
+
+
+def test_first_call_makes_the_ops_import_while_the_pool_compiles(monkeypatch):
+    import builtins
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", "2")
+    events = []
+
+    class Pool:
+        def __enter__(self):
+            events.append("pool")
+
+        def __exit__(self, *exc):
+            events.append("compiled")
+            return False
+
+    real_import = builtins.__import__
+
+    def recording_import(name, *args, **kwargs):
+        if name == "torch._dynamo":
+            events.append("import torch._dynamo")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(compiling, "compile_only", lambda workers: Pool())
+    monkeypatch.setattr(builtins, "__import__", recording_import)
+    compiling.first_call("a", lambda: events.append("dry run"))
+    monkeypatch.undo()
+    assert events == ["pool", "dry run", "import torch._dynamo", "compiled"]
+
+
+def test_launcher_ahead_only_for_a_compilation_job_it_can_read():
+    assert compiling._launcher_ahead(lambda: None) is None
+
+    class Src:
+        signature = {"q": "*bf16", "k_desc": "tensordesc<bf16[64, 128]>"}
+
+    src = Src()
+    assert compiling._launcher_ahead(lambda: src) is None   # a tensor descriptor: built after the kernel
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
+def test_backward_kernels_without_the_dispatcher_match_the_op(triton_backend, name):
+    """backward(..., dispatch=False), the dry run's backward, gives the registered op's gradients."""
+    from pathlib import Path
+
+    import attngen
+    from attngen import codegen
+    from attngen.signature import LINEAR_OP, SOFTMAX_OP
+    from attngen.testing import Shape, kernel_launch, random_inputs
+
+    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16), seed=3)
+    names = ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens") if op.spec.is_linear else ("q", "k", "v", "g", "cu_seqlens")
+    values = {n: inputs.get(n) for n in names}
+    if op.spec.is_linear:
+        form, launch = kernel_launch(op, inputs, "chunked")
+        args = LINEAR_OP.bind(**values, omega=None, scale=0.25, form=form, launch=launch, output_final_state=False,
+                              for_backward=True)
+    else:
+        args = SOFTMAX_OP.bind(**values, scale=0.25, max_len=None, launch=kernel_launch(op, inputs)[1])
+    outs = module.forward(*args)
+    n = len(module.SAVED_INPUTS)
+    do = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(4))
+    grads = (do, *[None] * (len(outs) - 1))
+    via_op = module.backward(*args[:n], *args[n:], *outs, *grads)
+    direct = module.backward(*args[:n], *args[n:], *outs, *grads, dispatch=False)
+    assert len(via_op) == len(direct) and any(a is not None for a in direct)
+    for a, b in zip(via_op, direct):
+        assert (a is None and b is None) or torch.equal(a, b)
