@@ -169,7 +169,16 @@ def test_fit_holds_a_launch_to_the_call():
     assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, narrow).output_BV == 128
     assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(V=64), torch.bfloat16, narrow).output_BV == 64
     assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.float32, narrow).output_BV == 16
-    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, narrow).output_BV == 16
+    # bf16 up to 128 feature lanes: the output pass at 64 value lanes or more, the delta rule's state
+    # pass at one stage by 64 or more (illegal addresses at 16 lanes, and at one stage and 32 lanes)
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, narrow).output_BV == 64
+    assert planner.fit_chunked(GDN, linear_call(V=32), torch.bfloat16, narrow).output_BV == 32
+    assert planner.fit_chunked(GDN, linear_call(K=256, V=256), torch.bfloat16, narrow).output_BV == 16
+    assert planner.fit_chunked(GDN, linear_call(), torch.float32, narrow).output_BV == 16
+    one_stage = dataclasses.replace(wide, stages=1, states_BV=32)
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, one_stage).states_BV == 64
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, dataclasses.replace(one_stage, stages=3)).states_BV == 32
+    assert planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, one_stage).states_BV == 32
 
 
 def spy_launches(monkeypatch, module, kernels) -> list:
