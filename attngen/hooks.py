@@ -32,6 +32,12 @@ class NoDecay:
         return "pairs/none.jinja"
 
     @property
+    def grad_macros(self) -> str:
+        """The template of the decay gradient's terms in the backward's steps 4a, 4b and 5 (templates/decay_grads/:
+        query_terms, output_terms, transform_terms), which the backward imports as `decay_grads`."""
+        return "decay_grads/none.jinja"
+
+    @property
     def token_dg(self) -> bool:
         """Whether the decay gradient is per token (scalar, vector); a constant decay's is one sum."""
         return self.kind in ("scalar", "vector")
@@ -117,6 +123,11 @@ class ScalarDecay(NoDecay):
     def pair_macros(self) -> str:
         return "pairs/scalar.jinja"
 
+    @property
+    def grad_macros(self) -> str:
+        # by token; a constant decay's one sum per head, chunk by chunk
+        return "decay_grads/token.jinja" if self.kind == "scalar" else "decay_grads/constant.jinja"
+
     def rows_times(self, x: str, gam: str) -> str:
         return f"{x} * {gam}[:, None]"
 
@@ -174,6 +185,10 @@ class VectorDecay(NoDecay):
     def pair_macros(self) -> str:
         return "pairs/vector.jinja"
 
+    @property
+    def grad_macros(self) -> str:
+        return "decay_grads/token.jinja"
+
     def rows_times(self, x: str, gam: str) -> str:
         return f"{x} * {gam}"
 
@@ -222,10 +237,17 @@ class AdditiveRule:
     key_features: str = "b_k_hat"   # step 4's keys' features (the feature map's pieces kept for dk's chain rule)
     dk_out: str = "dk"              # step 4's key gradient: the op's
     dg_out: str = "dg"              # step 4's decay gradient: the op's
+    dg_out_dtype: str = "dg.dtype.element_ty"   # and its dtype
     values_note: str = ""           # what the written values are, in a comment
     # whether its state passes split a sequence into segments (kernel_lib.chunked_state_segments): a
     # segment's end state is D S + E of its start state S, D the diagonal of its decays
     segmented: bool = True
+
+    @property
+    def macros(self) -> str:
+        """The template of the rule's pieces that need the feature map's macros (templates/rules/: the
+        backward's key_features and keys_out), which the backward imports as `rules`."""
+        return f"rules/{self.name}.jinja"
 
     def state_values(self) -> str:
         """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
@@ -253,6 +275,7 @@ class DeltaRule(AdditiveRule):
     key_features: str = "b_k"
     dk_out: str = "dk_part"
     dg_out: str = "dg_part"
+    dg_out_dtype: str = "tl.float32"
     values_note: str = " (chunked_states_kernel's U)"
     segmented: bool = False         # its segments' end states are M S + E, M a [K, K] product of (I - β k w^T)
 

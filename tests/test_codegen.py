@@ -226,6 +226,23 @@ def test_hooks_of_every_rule_and_decay():
         for macro in ("ut_block_decays(i)", "ut_block_pair(i, j)", "scores_t()", "key_pairs(keys, keys_t)",
                       "pairs_rows(dM, keys, out)", "pairs_cols(dMt, x, x_tile, out, scaled)"):
             assert f"{{% macro {macro} -%}}" in text, (path.name, macro)
+    # the decay gradient's terms: by token (scalar, vector), one sum (constant), none
+    assert [hooks.decay_hook(d).grad_macros for d in ("none", "constant", "scalar", "vector")] == [
+        "decay_grads/none.jinja", "decay_grads/constant.jinja", "decay_grads/token.jinja", "decay_grads/token.jinja"]
+    assert {f"decay_grads/{p.name}" for p in (templates / "decay_grads").glob("*.jinja")} == {
+        "decay_grads/none.jinja", "decay_grads/constant.jinja", "decay_grads/token.jinja"}
+    for path in (templates / "decay_grads").glob("*.jinja"):
+        text = path.read_text()
+        for macro in ("query_terms(decay)", "output_terms(decay, kf, dg_out, dg_dtype)", "transform_terms(decay)"):
+            assert f"{{% macro {macro} -%}}" in text, (path.name, macro)
+    assert (hooks.rule_hook("delta").dg_out_dtype, hooks.rule_hook("additive").dg_out_dtype) == (
+        "tl.float32", "dg.dtype.element_ty")
+    # the rules' pieces that need the feature map's macros: one template per rule
+    assert {hooks.rule_hook(r).macros for r in ("additive", "delta")} == {
+        f"rules/{p.name}" for p in (templates / "rules").glob("*.jinja")}
+    for path in (templates / "rules").glob("*.jinja"):
+        text = path.read_text()
+        assert "{% macro key_features() -%}" in text and "{% macro keys_out() -%}" in text, path.name
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
