@@ -574,10 +574,11 @@ def do_bench(fn: Callable[[], object]) -> float:
 def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | str, *, mach: Machine | None = None,
          timer: Callable[[Callable[[], object]], float] | None = None, report: Callable[[str], None] = print,
          directory: Path | None = None, budget_s: float | None = None) -> list[Entry]:
-    """Search the launch of a spec's kernels (with knobs) at each shape (testing.Shape) and write the
-    winners into the machine's table in `directory` (default: the user's). mach: the machine the
-    table is for (default: the device's); timer(fn) -> milliseconds (default do_bench); budget_s:
-    seconds of search per shape (search())."""
+    """Search the launch of a spec's kernels (with knobs) at each shape (testing.Shape) and write each
+    shape's winner into the machine's table in `directory` (default: the user's) once its search
+    ends, so that a later shape's failure (an illegal address ends the process's CUDA context) keeps
+    the earlier ones. mach: the machine the table is for (default: the device's); timer(fn) ->
+    milliseconds (default do_bench); budget_s: seconds of search per shape (search())."""
     from . import runtime
     from .testing import LOWP_FACTOR, LOWP_FLOOR, bench_inputs, format_shape
 
@@ -608,8 +609,8 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
-    path = record(entries, mach, directory)
-    report(f"wrote {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} to {path}")
+        path = record(entries[-1:], mach, directory)
+        report(f"wrote {format_shape(shape)}'s entry to {path}")
     return entries
 
 

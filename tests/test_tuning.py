@@ -655,6 +655,27 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
     assert chosen.launch == got.launch
 
 
+def test_tune_writes_each_shape_once_searched(monkeypatch):
+    """A shape's winner is in the table as soon as its search ends: a later shape's failure (on a GPU,
+    an illegal address ends the process's CUDA context) keeps it."""
+    spec = attngen.load_spec(SPECS / "mamba2.yaml")
+    shapes = [Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16),
+              Shape(batch=1, q_len=40, heads=2, head_dim=32, value_dim=32)]
+    searched = []
+
+    def search(default, fit, measure, passes, report, budget_s=None, prepare=None):
+        searched.append(default)
+        if len(searched) == 2:
+            raise RuntimeError("an illegal memory access was encountered")
+        return tuning.Found(default, (), {p: 2.0 for p in passes}, {p: 1.0 for p in passes})
+
+    monkeypatch.setattr(tuning, "search", search)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        tuning.tune(spec, shapes, torch.float32, "cpu", mach=FAKE, report=lambda line: None)
+    table = tuning.read_table(tuning.tune_dir() / FAKE.file_name())
+    assert [e.shape for e in table.entries] == ["1,40,2,16,16"] and table.entries[0].launch == searched[0]
+
+
 def test_tune_at_a_decode_shape_times_the_forward_alone():
     """A softmax decode shape (one query against a longer cache of keys): a decode step runs no
     backward, so the search times the forward only and the entry keeps the default's backward knobs."""
