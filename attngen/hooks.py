@@ -244,10 +244,16 @@ class AdditiveRule:
     segmented: bool = True
 
     @property
+    def templates(self) -> str:
+        """The folder of the rule's own templates (templates/rules/<name>/): macros.jinja, and the
+        chunked backward's header (bwd_header.py.jinja) and host code from step 3 on (bwd_steps.py.jinja)."""
+        return f"rules/{self.name}/"
+
+    @property
     def macros(self) -> str:
-        """The template of the rule's pieces that need the feature map's macros (templates/rules/: the
-        backward's key_features and keys_out), which the backward imports as `rules`."""
-        return f"rules/{self.name}.jinja"
+        """The template of the rule's pieces that need the feature map's macros (the backward's
+        key_features and keys_out), which the backward imports as `rules`."""
+        return self.templates + "macros.jinja"
 
     def state_values(self) -> str:
         """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
