@@ -246,8 +246,9 @@ class AdditiveRule:
     @property
     def templates(self) -> str:
         """The folder of the rule's own templates (templates/rules/<name>/): macros.jinja, the chunked
-        forward's prepare step as chunked_states runs it (fwd_prepare.py.jinja), and the chunked backward's
-        header (bwd_header.py.jinja) and host code from step 3 on (bwd_steps.py.jinja)."""
+        forward's prepare step (its macros, fwd_macros.jinja, and its host code in chunked_states,
+        fwd_prepare.py.jinja), and the chunked backward's header (bwd_header.py.jinja) and host code
+        from step 3 on (bwd_steps.py.jinja)."""
         return f"rules/{self.name}/"
 
     @property

@@ -238,13 +238,13 @@ def test_hooks_of_every_rule_and_decay():
     assert (hooks.rule_hook("delta").dg_out_dtype, hooks.rule_hook("additive").dg_out_dtype) == (
         "tl.float32", "dg.dtype.element_ty")
     # a folder of templates per rule: the pieces that need the feature map's macros, the forward's prepare
-    # step (host code), the backward's header and its host steps from step 3 on
+    # step (its macros and host code), the backward's header and its host steps from step 3 on
     assert {hooks.rule_hook(r).templates for r in ("additive", "delta")} == {
         f"rules/{p.name}/" for p in (templates / "rules").iterdir()}
     for rule in ("additive", "delta"):
         folder = templates / hooks.rule_hook(rule).templates
-        assert {p.name for p in folder.iterdir()} == {"macros.jinja", "fwd_prepare.py.jinja", "bwd_header.py.jinja",
-                                                   "bwd_steps.py.jinja"}
+        assert {p.name for p in folder.iterdir()} == {"macros.jinja", "fwd_macros.jinja", "fwd_prepare.py.jinja",
+                                                   "bwd_header.py.jinja", "bwd_steps.py.jinja"}
         text = (templates / hooks.rule_hook(rule).macros).read_text()
         assert "{% macro key_features() -%}" in text and "{% macro keys_out() -%}" in text, rule
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
