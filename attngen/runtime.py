@@ -63,9 +63,10 @@ class Op:
         self._phi = None if spec.feature_map == "favor_plus" or not spec.is_linear else _feature_function(spec)
         # Generated kernels are imported up front where they can run, so a traced call
         # (torch.compile) finds them ready; Triton's one-time work starts beside the import
+        self._kernels = None
         if _kernels_possible():
             compiling.warm()
-        self._kernels = kernels_for(self) if _kernels_possible() else None
+            self._kernels = kernels_for(self)
 
     def features(self, head_dim: int, device, dtype) -> torch.Tensor | None:
         """FAVOR+ Omega on a device, cached per (K, device, dtype); None for other maps."""
