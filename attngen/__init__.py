@@ -11,6 +11,14 @@ __all__ = ["Op", "Spec", "SpecError", "StateCache", "load", "load_spec", "__vers
 # the function over the module's name, which made `from . import reference` ambiguous.
 _LAZY = {"Op": "runtime", "StateCache": "serving", "load": "runtime"}
 
+# With torch already imported (`import torch`, then `import attngen`), Triton's hash of its own library,
+# which its first compilation waits for, starts now on a thread of its own (compiling.warm_key; nothing
+# of CUDA is touched). Without torch the import stays cheap and the op starts it (compiling.warm).
+import sys as _sys  # noqa: E402
+if "torch" in _sys.modules:
+    from . import compiling as _compiling
+    _compiling.warm_key()
+
 
 def __getattr__(name: str):
     if name not in _LAZY:

@@ -11,7 +11,8 @@ the pass; one whose kernels are all compiled costs its host time only.
 The first call in a process also pays one-time costs that are not compilation. Where they would
 hold back the pool, they are moved beside it: Triton's hash of its own sources and library
 (triton_key, which reads libtriton, about a second) and its CUDA driver's utilities (a C module it
-builds) run on a thread of their own from the moment an op is made (warm); the dry run calls the
+builds) run on threads of their own, the first from `import attngen` where torch is already imported
+(warm_key), both from the moment an op is made (warm); the dry run calls the
 generated kernels without the dispatcher, and the import of torch._dynamo, which torch's custom
 ops make on their first call (two seconds on the H200's host), runs while the pool compiles
 (gated_deltanet's first call: BENCHMARKS.md).
@@ -33,7 +34,7 @@ import torch
 
 _COMPILE_ONLY = contextvars.ContextVar("attngen_compile_only", default=False)
 _SEEN: set = set()
-_WARM: list[threading.Thread] = []
+_WARM: dict[str, threading.Thread] = {}
 
 
 def threads() -> int:
@@ -154,21 +155,51 @@ def applies(device: torch.device) -> bool:
 
 def warm() -> None:
     """Once per process, where kernels compile (a CUDA GPU, not the interpreter) with a pool: start
-    Triton's one-time work before a first compilation (triton_key, the driver) on a thread of its own,
-    which first_call joins."""
-    if _WARM or not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or threads() < 2:
+    Triton's one-time work before a first compilation (triton_key, where warm_key has not started it,
+    and the driver) on threads of their own, which first_call joins. Called when an op is made."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1" or threads() < 2:
         return
-    _WARM.append(threading.Thread(target=_warm, name="attngen-warm", daemon=True))
-    _WARM[0].start()
+    _start("key", _triton_key)
+    _start("driver", _driver)
 
 
-def _warm() -> None:
+def warm_key() -> None:
+    """At `import attngen` when torch is already imported (attngen/__init__.py): triton_key on a thread
+    of its own where an NVIDIA GPU may be present (its driver's device files), a second or so before an
+    op is made. It touches no CUDA: CUDA's initialization (which reads CUDA_VISIBLE_DEVICES) stays with
+    the program's own first CUDA call."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not any(map(os.path.exists, _NVIDIA_FILES)):
+        return
     try:
-        from triton.runtime import driver
+        if threads() < 2:
+            return
+    except ValueError:   # a bad ATTNGEN_COMPILE_THREADS: the op reports it, not the import
+        return
+    _start("key", _triton_key)
+
+
+_NVIDIA_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia/version")
+
+
+def _start(name: str, target: Callable[[], None]) -> None:
+    if name not in _WARM:
+        _WARM[name] = threading.Thread(target=target, name=f"attngen-warm-{name}", daemon=True)
+        _WARM[name].start()
+
+
+def _triton_key() -> None:
+    try:
         from triton.runtime.cache import triton_key
         triton_key()
-        driver.active.get_current_target()
     except Exception:  # noqa: BLE001 -- nothing done here: the first compilation does it (and reports any error)
+        pass
+
+
+def _driver() -> None:
+    try:
+        from triton.runtime import driver
+        driver.active.get_current_target()
+    except Exception:  # noqa: BLE001 -- as in _triton_key
         pass
 
 
@@ -179,7 +210,7 @@ def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
         return
     workers = threads()
     if workers > 1:
-        for thread in _WARM:
+        for thread in list(_WARM.values()):
             thread.join()
         with compile_only(workers):
             dry_run()

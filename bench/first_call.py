@@ -6,8 +6,10 @@ compilation included, then the same call again.
 Prints the seconds of each phase (import, load, first call, second call) and how many kernels
 Triton compiled. ATTNGEN_COMPILE_THREADS=1 compiles each kernel at its first launch, one after the
 other (plain Triton); the default compiles a call's kernels side by side first (attngen/compiling.py).
---trace also lists each kernel the dry run compiled: when its job started and ended, in seconds from
-the dry run's start, and the CPU seconds its thread spent (compilation and launcher).
+--trace also lists how long the dry run waited for the warm threads (attngen/compiling.py: Triton's
+one-time work, started at `import attngen` and when the op is made) and each kernel the dry run
+compiled: when its job started and ended, in seconds from the dry run's start, and the CPU seconds its
+thread spent (compilation and launcher).
 """
 from __future__ import annotations
 
@@ -82,9 +84,13 @@ def main() -> None:
 
     def timed_first_call(kind, dry_run):
         t0 = time.perf_counter()
+        for thread in list(compiling._WARM.values()):   # first() joins them too: here to time the wait
+            thread.join()
+        waited = time.perf_counter() - t0
         first(kind, dry_run)
         dry.append(time.perf_counter() - t0)
         if args.trace and len(dry) == 1:
+            print(f"  warm threads ({', '.join(compiling._WARM) or 'none'}) joined after {waited:.2f} s")
             for name, start, end, cpu in sorted(jobs, key=lambda j: j[2]):
                 print(f"  {name:<36s} start {start - t0:5.2f} s  end {end - t0:5.2f} s  wall {end - start:5.2f} s  "
                       f"cpu {cpu:5.2f} s")

@@ -56,6 +56,62 @@ def test_applies_on_cuda_only(monkeypatch):
     assert not compiling.applies(torch.device("cuda"))
 
 
+@pytest.fixture
+def warm_threads(monkeypatch, tmp_path):
+    """warm_key on a machine that looks like a GPU's (a driver file present), Triton's hash replaced by a
+    counter; the threads it starts, fresh."""
+    calls = []
+    monkeypatch.setattr(compiling, "_WARM", {})
+    monkeypatch.setattr(compiling, "_triton_key", lambda: calls.append("triton_key"))
+    (tmp_path / "nvidiactl").write_text("")
+    monkeypatch.setattr(compiling, "_NVIDIA_FILES", (str(tmp_path / "absent"), str(tmp_path / "nvidiactl")))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", "2")
+    return calls
+
+
+def test_warm_key_starts_triton_key_once(warm_threads):
+    compiling.warm_key()
+    compiling.warm_key()
+    assert list(compiling._WARM) == ["key"]
+    compiling._WARM["key"].join()
+    assert warm_threads == ["triton_key"]
+
+
+@pytest.mark.parametrize("case", ["no driver", "interpreter", "one thread", "bad threads"])
+def test_warm_key_starts_nothing(warm_threads, monkeypatch, case):
+    if case == "no driver":
+        monkeypatch.setattr(compiling, "_NVIDIA_FILES", ("/nonexistent/nvidiactl",))
+    elif case == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.setenv("ATTNGEN_COMPILE_THREADS", "1" if case == "one thread" else "four")
+    compiling.warm_key()   # a bad ATTNGEN_COMPILE_THREADS is the op's error to report, not the import's
+    assert compiling._WARM == {} and warm_threads == []
+
+
+def test_first_call_joins_the_warm_threads(warm_threads, monkeypatch):
+    import threading
+    release, events = threading.Event(), []
+    monkeypatch.setattr(compiling, "_triton_key", lambda: (release.wait(5), events.append("triton_key")))
+    compiling.warm_key()
+    monkeypatch.setattr(compiling, "compile_only", lambda workers: _Recorder(events, workers))
+    threading.Timer(0.2, release.set).start()
+    compiling.first_call("a", lambda: events.append("dry run"))
+    assert events == ["triton_key", 2, "dry run"]
+
+
+def test_import_after_torch_starts_the_key_where_a_gpu_driver_is():
+    import os
+    import subprocess
+    import sys
+    code = "import torch, attngen; from attngen import compiling; print(sorted(compiling._WARM))"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ATTNGEN_COMPILE_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    gpu_driver = any(map(os.path.exists, compiling._NVIDIA_FILES)) and min(os.cpu_count() or 1, 16) > 1
+    assert out.strip() == ("['key']" if gpu_driver else "[]")
+
+
 def test_a_failed_compilation_leaves_no_mode_active():
     """A kernel whose compilation raises inside compile_only: the error reaches the caller, and the
     thread's next compile_only (its next first call) starts; Triton's AsyncCompileMode leaves itself

@@ -1,5 +1,5 @@
 """A generated module used on its own: imported without attngen.load (loading of attngen only its
-kernel library, attngen.kernel_lib) it registers its ops and autograd (torch.ops.attngen.<spec
+kernel library, attngen.kernel_lib, and with torch imported first attngen.compiling's warm start) it registers its ops and autograd (torch.ops.attngen.<spec
 name>, keyword arguments as in the runtime contract); the loader says when a committed module
 differs from a fresh rendering."""
 from __future__ import annotations
@@ -26,9 +26,12 @@ module_spec = importlib.util.spec_from_file_location(f"gen_{name}", f"generated/
 module = importlib.util.module_from_spec(module_spec)
 sys.modules[module_spec.name] = module
 module_spec.loader.exec_module(module)
-# of attngen only its kernel library (and the package's constants) is loaded: none of the compiler
+# of attngen only its kernel library (and the package's constants) is loaded: none of the compiler. With
+# torch imported first, the package also loads attngen.compiling (torch only), whose warm_key starts
+# Triton's hash of its library where a GPU driver is present
 loaded = sorted(m for m in sys.modules if m == "attngen" or m.startswith("attngen."))
-assert set(loaded) <= {"attngen", "attngen.spec", "attngen.kernel_lib"}, f"importing the module imported {loaded}"
+assert set(loaded) <= {"attngen", "attngen.spec", "attngen.kernel_lib", "attngen.compiling"}, \
+    f"importing the module imported {loaded}"
 assert module.SPEC_NAME == name and len(module.SPEC_HASH) == 16
 
 gen = torch.Generator().manual_seed(0)
