@@ -475,17 +475,21 @@ CONTEXT_LOST = ("illegal memory access", "illegal address", "misaligned address"
 def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Launch],
            measure: Callable[[planner.Launch, str], float], passes: tuple[str, ...] = ("fwd", "bwd"),
            report: Callable[[str], None] = print, rounds: int = 2, budget_s: float | None = None,
-           prepare: Callable[[list[planner.Launch], str], None] | None = None) -> Found:
+           prepare: Callable[[list[planner.Launch], str], None] | None = None,
+           seeds: tuple[planner.Launch, ...] = ()) -> Found:
     """The fastest launch found from `default` by coordinate descent: per pass, each of its knobs in
     turn takes each of its search values (planner knob metadata, fitted to the call) with the
     others at the best so far, for up to `rounds` rounds while one improves. measure(launch, pass)
     -> milliseconds; an exception (a launch that does not compile, runs out of shared memory or
     gives other outputs) skips that launch, reported; one that loses the CUDA context (CONTEXT_LOST)
     stops the search with a RuntimeError. budget_s: seconds of search, shared by the passes (each
-    pass's share is what is left over the passes left); no launch is tried past a pass's share
-    (the best so far stands; each pass's default is still timed). prepare(launches, pass),
+    pass's share is what is left over the passes left); no knob is started past a pass's share, and
+    a knob started has each of its values timed (the best so far stands; each pass's default is still
+    timed). prepare(launches, pass),
     when given, runs before a knob's new launches are timed, with all of them (e.g. to compile
-    their kernels side by side); what it leaves undone, measure does."""
+    their kernels side by side); what it leaves undone, measure does. seeds: launches timed in each
+    pass beside the default (fitted; the table's entry being searched again): one that is faster is the
+    best so far, so that a search never ends on a launch slower than the entry it replaces."""
     cls = type(default)
     best, trials = default, []
     default_ms, best_ms, best_of = {}, {}, {}
@@ -515,22 +519,34 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         default_ms[pass_] = trial(default, pass_, f"{pass_} [default]")
         best_ms[pass_] = default_ms[pass_] if best == default else trial(best, pass_, f"{pass_} [best so far]")
         seen = {best, default}
+        for seed in dict.fromkeys(fit(seed) for seed in seeds):
+            if seed not in seen:
+                seen.add(seed)
+                ms = trial(seed, pass_, f"{pass_} [the table's entry]")
+                if ms < best_ms[pass_]:
+                    best, best_ms[pass_] = seed, ms
         todo = sum(len(cls.__dataclass_fields__[n].metadata["search"]) for n in names)
         for round_ in range(1, rounds + 1):
             improved, done = False, 0
             for name in names:
                 values = cls.__dataclass_fields__[name].metadata["search"]
+                if time.monotonic() > deadline:
+                    break
                 # the knob's values with the others at the best so far: they do not depend on
-                # one another's times, so prepare() takes them all at once
+                # one another's times, so prepare() takes them all at once. A knob started is
+                # finished: its compilation (prepare) is most of its cost, and where that alone outlasts
+                # the share (K = V = 256), stopping before its launches are timed would leave the
+                # first knobs untried (gated_deltanet B2 T8192 K = V = 256: 32-token chunks, 2.5x the
+                # forward's speed, never timed in a budget of 20 s; BENCHMARKS.md 2026-12-04, tenth run)
                 candidates = {value: fit(dataclasses.replace(best, **{name: value})) for value in values}
-                if prepare is not None and time.monotonic() <= deadline:
+                if prepare is not None:
                     new = list(dict.fromkeys(c for c in candidates.values() if c not in seen))
                     if new:
                         prepare(new, pass_)
                 for value in values:
                     done += 1
                     candidate = candidates[value]
-                    if candidate in seen or time.monotonic() > deadline:
+                    if candidate in seen:
                         continue
                     seen.add(candidate)
                     ms = trial(candidate, pass_, f"{pass_} round {round_} [{done}/{todo}]")
@@ -571,6 +587,20 @@ def do_bench(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def do_bench_graph(fn: Callable[[], object]) -> float:
+    """The median time of fn in milliseconds, replayed from a CUDA graph (triton.testing.do_bench_cudagraph):
+    a decode step's kernels without the host's launch cost, which at a few sequences outlasts them and
+    hides a launch's difference in the noise (softmax_causal's B1 decode: the same launch at 0.084 and
+    0.135 ms eager, BENCHMARKS.md); a serving step replays from a graph (attngen.serving). do_bench where
+    fn cannot be captured."""
+    import triton
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return do_bench(fn)
+
+
 def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | str, *, mach: Machine | None = None,
          timer: Callable[[Callable[[], object]], float] | None = None, report: Callable[[str], None] = print,
          directory: Path | None = None, budget_s: float | None = None) -> list[Entry]:
@@ -578,14 +608,15 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
     shape's winner into the machine's table in `directory` (default: the user's) once its search
     ends, so that a later shape's failure (an illegal address ends the process's CUDA context) keeps
     the earlier ones. mach: the machine the table is for (default: the device's); timer(fn) ->
-    milliseconds (default do_bench); budget_s: seconds of search per shape (search())."""
+    milliseconds (default do_bench; do_bench_graph for a decode shape, fewer queries than keys);
+    budget_s: seconds of search per shape (search())."""
     from . import runtime
     from .testing import LOWP_FACTOR, LOWP_FLOOR, bench_inputs, format_shape
 
     family = planner.launch_family(spec)
     if family is None:
         raise ValueError(f"spec {spec.name!r}: its kernels (recurrent, bidirectional) take no launch knobs to tune")
-    mach, timer = mach or machine(device), timer or do_bench
+    mach = mach or machine(device)
     if mach is None:
         raise ValueError(f"device: tuning tables are per CUDA GPU; got {torch.device(device).type} tensors")
     op = runtime.load(spec)
@@ -598,20 +629,36 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         call = runtime.check_call(op, inputs)
         fit = functools.partial(planner.fit_launch, family, spec, call, dtype)
         default = fit(planner.default_launch(family, spec, call, dtype, multiprocessors(device)))
-        run = _runner(op, module, inputs, call)
-        measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer)
-        report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
-        prepare = _compiler(module, run.args) if compiling.applies(torch.device(device)) else None
         # queries fewer than the keys (decode against a cache, ",Tq" shapes): the forward alone, as a
-        # decode step runs it (the backward's knobs stay the default's)
-        timed = ("fwd",) if shape.k_len is not None and shape.q_len < shape.k_len else passes
-        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare)
+        # decode step runs it (the backward's knobs stay the default's), on a cache where the step's
+        # cache would have the shape's keys as its rows (_cached_runner), timed from a CUDA graph
+        decode = shape.k_len is not None and shape.q_len < shape.k_len
+        run = (decode and _cached_runner(op, module, inputs, call)) or _runner(op, module, inputs, call)
+        measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer or (do_bench_graph if decode else do_bench))
+        report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
+        prepare = _compiler(module, run.args) if run.args and compiling.applies(torch.device(device)) else None
+        timed = ("fwd",) if decode else passes
+        held = _held(directory or tune_dir(), mach, key(spec, family, call, dtype))
+        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare,
+                       seeds=(held,) if held is not None else ())
         entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
         path = record(entries[-1:], mach, directory)
         report(f"wrote {format_shape(shape)}'s entry to {path}")
     return entries
+
+
+def _held(directory: Path, mach: Machine, key_: Key) -> planner.Launch | None:
+    """The launch that the machine's table in `directory` holds for key_ (the entry a search of its
+    shape replaces), or None: no table there, no entry of that key, or a table this version cannot read
+    (record() then says so)."""
+    path = directory / mach.file_name()
+    try:
+        table = read_table(path) if path.exists() else None
+    except (ValueError, TypeError, OSError):
+        return None
+    return next((e.launch for e in table.entries if e.key == key_), None) if table is not None else None
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:
@@ -654,6 +701,39 @@ def _compiler(module, args: Callable[[planner.Launch], tuple]) -> Callable[[list
                 except Exception:  # noqa: BLE001 -- the launch's own timing reports its error
                     pass
     return prepare
+
+
+def _cached_runner(op, module, inputs: dict, call: Call):
+    """run(launch, "fwd") -> [o] for a softmax decode shape through the serving call (module.cached_op):
+    the kernels a decode step runs (the append of the new keys and values, the split forward on the
+    cache's rows, read by pointers, and the merge), on a cache of Tk rows per sequence (the bucket
+    runtime.cache_launch looks up for such a cache) holding the first Tk - Tq keys before each call (the
+    call appends the last Tq; the cache's log decays, with scalar decay, zero). None where a serving
+    cache of that shape has other rows (a sliding window's ring) or the spec is linear."""
+    from .serving import StateCache, cached_softmax_args
+    spec = op.spec
+    q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
+    if spec.is_linear or spec.mask == "sliding_window" or not hasattr(module, "cached_op"):
+        return None
+    B, Tq, H = q.shape[:3]
+    Tk, HK = k.shape[1], k.shape[2]
+    cache = StateCache(op, B, HK, k.shape[3], v.shape[3], device=q.device, dtype=q.dtype, max_len=Tk,
+                       query_heads=H if spec.decay == "scalar" else None)
+    held = Tk - Tq
+    cache.k[:, :held], cache.v[:, :held] = k[:, :held], v[:, :held]
+    new = [None if t is None else t[:, held:].contiguous() for t in (k, v, g)]
+    slots = torch.arange(B, dtype=torch.int32, device=q.device)
+
+    def forward(launch):
+        cache.lengths.fill_(held)
+        return module.cached_op(*cached_softmax_args(spec, cache, q, *new, slots, None, call.scale, Tq,
+                                                      launch.ints()))
+
+    def run(launch, pass_):
+        return [forward(launch)]
+
+    run.args, run.step = None, lambda launch, pass_: forward(launch)
+    return run
 
 
 def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, str], list]:

@@ -17,7 +17,7 @@ import torch
 import attngen
 from attngen import codegen, planner, runtime, tuning
 from attngen.inputs import Call
-from attngen.testing import Shape, kernel_launch, random_inputs, rel_error
+from attngen.testing import Shape, bench_inputs, kernel_launch, random_inputs, rel_error
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
@@ -663,7 +663,7 @@ def test_tune_writes_each_shape_once_searched(monkeypatch):
               Shape(batch=1, q_len=40, heads=2, head_dim=32, value_dim=32)]
     searched = []
 
-    def search(default, fit, measure, passes, report, budget_s=None, prepare=None):
+    def search(default, fit, measure, passes, report, budget_s=None, prepare=None, seeds=()):
         searched.append(default)
         if len(searched) == 2:
             raise RuntimeError("an illegal memory access was encountered")
@@ -684,6 +684,67 @@ def test_tune_at_a_decode_shape_times_the_forward_alone():
     (got,) = tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, timer=lambda fn: (fn(), 1.0)[1],
                          report=lambda line: None, budget_s=5)
     assert set(got.ms) == {"fwd"} and got.key.bucket == tuning.Bucket(16, 64, 2, 16, 16)
+
+
+@pytest.mark.parametrize("q_len,k_len,timer", [(1, 64, "do_bench_graph"), (40, None, "do_bench")])
+def test_a_decode_shape_is_timed_from_a_cuda_graph(monkeypatch, q_len, k_len, timer):
+    """Without a timer of the caller's, a decode shape's launches are timed replayed from a CUDA graph
+    (at a few sequences the host's launch cost outlasts the kernels), others by do_bench."""
+    used = []
+    for name in ("do_bench", "do_bench_graph"):
+        monkeypatch.setattr(tuning, name, lambda fn, name=name: (fn(), used.append(name), 1.0)[2])
+    spec = attngen.load_spec(SPECS / "softmax_causal.yaml")
+    shape = Shape(batch=1, q_len=q_len, k_len=k_len, heads=2, head_dim=16, value_dim=16)
+    tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, budget_s=0)
+    assert used and set(used) == {timer}
+
+
+def test_do_bench_graph_falls_back_where_capture_fails(monkeypatch):
+    import triton.testing
+
+    def no_capture(fn, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", no_capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(tuning, "do_bench", lambda fn: 3.0)
+    assert tuning.do_bench_graph(lambda: None) == 3.0
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["softmax_causal", "forgetting_attention"])
+def test_a_decode_shape_runs_the_serving_call_on_a_cache(monkeypatch, name):
+    """A softmax decode shape is searched through the serving call (the append, the split forward on
+    the cache's rows, the merge: the kernels a decode step runs), on a cache of Tk rows whose first
+    Tk - Tq keys are the shape's: the same outputs as the forward over all Tk keys (causal; the cache's
+    log decays are zero, so forgetting attention's only where the inputs' are), the same at every call."""
+    spec = attngen.load_spec(SPECS / f"{name}.yaml")
+    op = attngen.Op(spec)
+    module = codegen.load_module(spec)
+    shape = Shape(batch=2, q_len=3, k_len=40, heads=2, head_dim=16, value_dim=16)
+    inputs = bench_inputs(spec, shape, torch.float32, "cpu")
+    if spec.decay == "scalar":
+        inputs["g"] = torch.zeros_like(inputs["g"])
+    call = runtime.check_call(op, inputs)
+    launch = planner.default_launch("softmax", spec, call, torch.float32, SMS)
+    cached_calls = []
+    real = module.cached_op
+    monkeypatch.setattr(module, "cached_op", lambda *a: (cached_calls.append(1), real(*a))[1])
+    run = tuning._cached_runner(op, module, inputs, call)
+    (o,) = run(launch, "fwd")
+    (again,) = run(launch, "fwd")
+    (full,) = tuning._runner(op, module, inputs, call)(launch, "fwd")
+    assert len(cached_calls) == 2 and run.args is None
+    torch.testing.assert_close(o, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, o, rtol=0, atol=0)
+
+
+def test_no_serving_runner_for_a_sliding_window_or_a_linear_spec():
+    for name, k_len in (("sliding_window", 40), ("gated_deltanet", None)):
+        spec = attngen.load_spec(SPECS / f"{name}.yaml")
+        op = attngen.Op(spec)
+        inputs = bench_inputs(spec, Shape(batch=1, q_len=1, k_len=k_len, heads=2, head_dim=16, value_dim=16),
+                              torch.float32, "cpu")
+        assert tuning._cached_runner(op, codegen.load_module(spec), inputs, runtime.check_call(op, inputs)) is None
 
 
 def test_a_warning_names_the_first_line_outside_attngen():
@@ -712,6 +773,62 @@ def test_the_budget_is_shared_by_the_passes(monkeypatch):
                           measure, report=lambda line: None, budget_s=12)
     per_pass = {p: sum(t.pass_ == p for t in found.trials) for p in ("fwd", "bwd")}
     assert 5 <= per_pass["fwd"] <= 8 and per_pass["bwd"] >= 5, per_pass
+
+
+def test_a_knob_started_is_timed_even_when_its_compilation_outlasts_the_share(monkeypatch):
+    """The first knob's compilation (prepare) takes longer than the pass's share of the budget (K = V =
+    256): its launches are still timed, so a faster chunk is found; no later knob is started."""
+    call = linear_call()
+    clock = [0.0]
+    monkeypatch.setattr(tuning.time, "monotonic", lambda: clock[0])
+
+    def prepare(launches, pass_):
+        clock[0] += 100.0
+
+    def measure(launch, pass_):
+        return 1.0 if launch.chunk == 32 else 2.5
+
+    found = tuning.search(default(call), lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch),
+                          measure, ("fwd",), report=lambda line: None, budget_s=20, prepare=prepare)
+    assert found.best.chunk == 32 and found.best_ms["fwd"] == 1.0
+    assert {t.launch.chunk for t in found.trials} == {16, 32, 64} and all(t.launch.BV == default(call).BV
+                                                                            for t in found.trials)
+
+
+@pytest.mark.parametrize("seed_ms,expected_chunk", [(0.5, 16), (3.0, 32)])
+def test_a_seed_faster_than_the_search_is_its_best(seed_ms, expected_chunk):
+    """The table's entry being searched again is timed in each pass beside the default: where it is
+    faster than anything the knobs reach it is the best (a search never ends slower than the entry it
+    replaces); where slower, the search's best stands."""
+    call = linear_call()
+    seed = dataclasses.replace(default(call), chunk=16, BV=16)
+    fit = lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch)  # noqa: E731
+
+    def measure(launch, pass_):
+        return seed_ms if launch == fit(seed) else (1.0 if launch.chunk == 32 else 2.0)
+
+    found = tuning.search(default(call), fit, measure, ("fwd",), report=lambda line: None, seeds=(seed,))
+    assert found.best.chunk == expected_chunk and (found.best == fit(seed)) == (seed_ms < 1.0)
+    assert sum(t.launch == fit(seed) for t in found.trials) == 1
+
+
+def test_tune_seeds_the_search_with_the_entry_it_replaces(monkeypatch, tmp_path):
+    spec = attngen.load_spec(SPECS / "mamba2.yaml")
+    shape = Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)
+    seeds = []
+
+    def search(default, fit, measure, passes, report, budget_s=None, prepare=None, **kw):
+        seeds.append(kw.get("seeds", ()))
+        return tuning.Found(dataclasses.replace(default, chunk=16), (), {p: 2.0 for p in passes},
+                            {p: 1.0 for p in passes})
+
+    monkeypatch.setattr(tuning, "search", search)
+    tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
+    tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
+    assert seeds[0] == () and [s.chunk for s in seeds[1]] == [16]
+    # a table it cannot read holds no seed (writing the entry then reports the table's error)
+    (tmp_path / FAKE.file_name()).write_text("not json")
+    assert tuning._held(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16))) is None
 
 
 @pytest.mark.parametrize("bwd_at_32", [21.0, 19.9])
