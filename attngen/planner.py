@@ -490,8 +490,16 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
     if dtype == torch.bfloat16 and spec.update == "delta" and BF <= 128:
         bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
+    # The forward's chunk: 32 tokens in bf16 past 128 feature lanes (two warps, [BT, 256] tiles), where
+    # measured faster. B2 T8192 H8 K = V = 256 on the H200 (bench/probe_launch.py, BENCHMARKS.md
+    # 2026-12-04, tenth run), fwd and fwd+bwd ms: gated_deltanet 2.885 -> 1.147 and 6.796 -> 5.040 (the
+    # output pass 1866 -> 485 us, the state pass 1199 -> 945), deltanet 2.053 -> 1.041 and 4.814 -> 3.806,
+    # mamba2 1.419 -> 0.726 and 4.275 -> 3.574, retnet 1.508 -> 0.668 and 4.656 -> 3.837,
+    # linear_transformer 3.676 -> 1.628 and 7.896 -> 5.852, gla 5.678 -> 1.477 and 12.242 -> 8.003 (16
+    # tokens: 1.641), kda 8.349 -> 2.318 and 17.888 -> 11.851, performer 7.968 -> 5.457 and 19.883 -> 17.281.
+    chunk = 32 if dtype == torch.bfloat16 and BF > 128 else DEFAULT_CHUNK
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
-        chunk=DEFAULT_CHUNK, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
+        chunk=chunk, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
         maxnreg=MAXNREG,
         bwd_chunk=bwd_chunk,

@@ -108,6 +108,11 @@ def test_defaults_are_the_measured_launches():
         assert default(linear_call(K=256, V=256), torch.float32, spec=spec).chunk == 16
         assert default(linear_call(K=128, V=128), torch.float32, spec=spec).chunk == 64
     assert default(linear_call(K=64, V=64), torch.float16).BV == 64
+    # bf16 past 128 feature lanes: 32-token forward chunks
+    wide = linear_call(K=256, V=256)
+    assert [default(wide, spec=spec).chunk for spec in (GDN, MAMBA2, RETNET, LINEAR_ELU_SUM, GLA, PERFORMER, KDA)] \
+        == [32] * 7
+    assert default(call, spec=MAMBA2).chunk == 64
     # fp32 delta rule: a chunk's W, keys and U0 at 64 tokens fill two stages of the pipeline's budget
     assert default(call, torch.float32).stages == 2
     soft = planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.bfloat16, 132)
