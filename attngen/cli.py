@@ -214,6 +214,7 @@ def cmd_tune(args) -> int:
     import torch
 
     from . import planner, tuning
+    from .testing import format_shape
     specs = _specs(args.specs)
     if not torch.cuda.is_available():
         print("attngen tune: no CUDA GPU here (torch.cuda.is_available() is False): tuning times the kernels on "
@@ -229,6 +230,12 @@ def cmd_tune(args) -> int:
         shapes = [s for s in given if not spec.is_linear or not (s.k_len or s.kv_heads)]
         if len(shapes) < len(given):
             report(f"{spec.name}: shapes with Tq or H_kv skipped: those are for softmax specs")
+        if args.missing:
+            done = tuning.tuned_shapes(spec, dtype, tuning.machine("cuda"), args.out)
+            if any(format_shape(s) in done for s in shapes):
+                report(f"{spec.name}: in the table already, skipped (--missing): "
+                       + " ".join(format_shape(s) for s in shapes if format_shape(s) in done))
+            shapes = [s for s in shapes if format_shape(s) not in done]
         if shapes:
             tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)
     return 0
@@ -298,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                    help="seconds of search per spec and shape, shared by its passes (forward, backward), after "
                         "which the best launch so far stands")
+    p.add_argument("--missing", action="store_true",
+                   help="only the shapes the table in --out holds no entry of for the spec (its hash) and dtype: "
+                        "resumes a refill")
     p.set_defaults(fn=cmd_tune)
 
     p = sub.add_parser("bench", help="time the kernels against the baseline of the same semantics (fla, SDPA, Flex)")

@@ -649,6 +649,15 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
     return entries
 
 
+def tuned_shapes(spec: Spec, dtype: torch.dtype, mach: Machine, directory: Path | None = None) -> set[str]:
+    """The shapes (B,T,H,K,V[,Tq]) the machine's table in `directory` (default: the user's) holds an
+    entry of, tuned for this spec (its hash) and dtype: what `attngen tune --missing` skips."""
+    path = (directory or tune_dir()) / mach.file_name()
+    if not path.exists():
+        return set()
+    return {e.shape for e in read_table(path).entries if e.key.spec_hash == spec.hash and e.key.dtype == dtype_name(dtype)}
+
+
 def _held(directory: Path, mach: Machine, key_: Key) -> planner.Launch | None:
     """The launch that the machine's table in `directory` holds for key_ (the entry a search of its
     shape replaces), or None: no table there, no entry of that key, or a table this version cannot read

@@ -143,6 +143,33 @@ def test_tune_takes_a_named_set_of_shapes(monkeypatch):
                      (16, 8192, 16, 128, 128), (2, 8192, 8, 256, 256), (16, 8192, 8, 256, 256)]]
 
 
+def test_tune_missing_skips_the_shapes_in_the_table(monkeypatch, tmp_path, capsys):
+    """`--missing` searches only the shapes the table in --out holds no entry of for the spec's hash and
+    dtype (another dtype's or spec's entries do not count): a refill resumes where it stopped."""
+    import torch
+
+    from attngen import load_spec, planner, tuning
+    from attngen.inputs import Call
+    fake = tuning.Machine("Fake GPU", "9.0", "3.6.0")
+    spec = load_spec("specs/gla.yaml")
+    call = Call(2, 8192, 8192, 32, 64, 64, 64, 2, 8192, 0.125, False, 2)
+    launch = planner.chunked_launch(spec, call, torch.bfloat16)
+    tuning.record([tuning.Entry(tuning.key(spec, "chunked", call, torch.bfloat16), spec.name, launch, "2,8192,32,64,64"),
+                   tuning.Entry(tuning.key(spec, "chunked", call, torch.float16), spec.name, launch, "16,8192,32,64,64")],
+                  fake, tmp_path)
+    seen = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(tuning, "machine", lambda device: fake)
+    monkeypatch.setattr(tuning, "tune", lambda spec, shapes, *a, **kw: seen.append(
+        [f"{s.batch},{s.q_len},{s.heads},{s.head_dim},{s.value_dim}" for s in shapes]))
+    assert main(["tune", "specs/gla.yaml", "--shapes", "2,8192,32,64,64", "16,8192,32,64,64", "--missing",
+                 "--out", str(tmp_path)]) == 0
+    assert seen == [["16,8192,32,64,64"]]
+    assert "gla: in the table already, skipped (--missing): 2,8192,32,64,64" in capsys.readouterr().out
+    assert main(["tune", "specs/gla.yaml", "--shapes", "2,8192,32,64,64", "--out", str(tmp_path)]) == 0
+    assert seen[-1] == ["2,8192,32,64,64"]
+
+
 @pytest.mark.parametrize("argv, error", [
     (["tune", "specs/gla.yaml", "--shapes", "4,8192,16"], "argument --shapes: expected B,T,H,K,V[,Tq[,H_kv]]"),
     (["tune", "specs/gla.yaml", "--shapes", "1,8,2,4,4,9"], "Tq = 9 must be at most T = 8"),
