@@ -34,6 +34,17 @@ def _ranks(text: str) -> int:
     return int(text)
 
 
+def _seconds(text: str) -> float:
+    """--budget: seconds, a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds, a finite number >= 0, got {text!r}")
+    return value
+
+
 def _routes_apart(spec, device: str, head_dim: int) -> bool:
     """Whether bf16 inputs of this head dim run elsewhere than float32 ones (runtime.route)."""
     import torch
@@ -302,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help="directory of the table (default: $ATTNGEN_TUNE_DIR, else $ATTNGEN_CACHE/tune; the shipped "
                         "tables are attngen/tables)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS",
                    help="seconds of search per spec and shape, shared by its passes (forward, backward), after "
                         "which the best launch so far stands")
     p.add_argument("--missing", action="store_true",

@@ -616,6 +616,9 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
     family = planner.launch_family(spec)
     if family is None:
         raise ValueError(f"spec {spec.name!r}: its kernels (recurrent, bidirectional) take no launch knobs to tune")
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
+                                 or not 0 <= budget_s < math.inf):
+        raise ValueError(f"budget_s: expected seconds, a finite number >= 0, or None; got {budget_s!r}")
     mach = mach or machine(device)
     if mach is None:
         raise ValueError(f"device: tuning tables are per CUDA GPU; got {torch.device(device).type} tensors")

@@ -174,6 +174,9 @@ def test_tune_missing_skips_the_shapes_in_the_table(monkeypatch, tmp_path, capsy
     (["tune", "specs/gla.yaml", "--shapes", "4,8192,16"], "argument --shapes: expected B,T,H,K,V[,Tq[,H_kv]]"),
     (["tune", "specs/gla.yaml", "--shapes", "1,8,2,4,4,9"], "Tq = 9 must be at most T = 8"),
     (["tune", "specs/gla.yaml", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+    (["tune", "specs/gla.yaml", "--budget", "-1"], "argument --budget: expected seconds, a finite number >= 0, got '-1'"),
+    (["tune", "specs/gla.yaml", "--budget", "nan"], "argument --budget: expected seconds, a finite number >= 0, got 'nan'"),
+    (["tune", "specs/gla.yaml", "--budget", "ten"], "argument --budget: expected seconds, a finite number >= 0, got 'ten'"),
     (["bench", "specs/gla.yaml", "--vs", "fla,xformers"], "argument --vs: xformers is not a baseline; allowed: fla, "
                                                           "sdpa, flex"),
     (["bench", "specs/gla.yaml", "--shapes", "1,8,6,4,4,8,4"], "H_kv = 4 must divide H = 6"),

@@ -752,6 +752,14 @@ def test_no_serving_runner_for_a_sliding_window_or_a_linear_spec():
         assert tuning._cached_runner(op, codegen.load_module(spec), inputs, runtime.check_call(op, inputs)) is None
 
 
+@pytest.mark.parametrize("budget", [-1, float("nan"), float("inf"), "10", True])
+def test_a_bad_budget_is_a_clear_error(budget):
+    spec = attngen.load_spec(SPECS / "mamba2.yaml")
+    with pytest.raises(ValueError, match=r"budget_s: expected seconds, a finite number >= 0, or None; got"):
+        tuning.tune(spec, [Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)], torch.float32, "cpu",
+                    mach=FAKE, report=lambda line: None, budget_s=budget)
+
+
 def test_a_warning_names_the_first_line_outside_attngen():
     # two frames of attngen's own between the warning and the caller, as choose -> resolve has
     inside = str(Path(tuning.__file__).parent / "calls.py")
