@@ -488,8 +488,9 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     timed). prepare(launches, pass),
     when given, runs before a knob's new launches are timed, with all of them (e.g. to compile
     their kernels side by side); what it leaves undone, measure does. seeds: launches timed in each
-    pass beside the default (fitted; the table's entry being searched again): one that is faster is the
-    best so far, so that a search never ends on a launch slower than the entry it replaces."""
+    pass beside the default (fitted; the table's entry being searched again, and its nearest bucket's):
+    one that is faster is the best so far, so that a search never ends on a launch slower than the entry
+    it replaces or the one the runtime would take without it."""
     cls = type(default)
     best, trials = default, []
     default_ms, best_ms, best_of = {}, {}, {}
@@ -641,9 +642,9 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
         prepare = _compiler(module, run.args) if run.args and compiling.applies(torch.device(device)) else None
         timed = ("fwd",) if decode else passes
-        held = _held(directory or tune_dir(), mach, key(spec, family, call, dtype))
-        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare,
-                       seeds=(held,) if held is not None else ())
+        seeds = _seeds(directory or tune_dir(), mach, key(spec, family, call, dtype),
+                       lambda launch: planner.fill_programs(family, spec, call, launch, multiprocessors(device)))
+        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare, seeds=seeds)
         entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
@@ -661,16 +662,23 @@ def tuned_shapes(spec: Spec, dtype: torch.dtype, mach: Machine, directory: Path 
     return {e.shape for e in read_table(path).entries if e.key.spec_hash == spec.hash and e.key.dtype == dtype_name(dtype)}
 
 
-def _held(directory: Path, mach: Machine, key_: Key) -> planner.Launch | None:
-    """The launch that the machine's table in `directory` holds for key_ (the entry a search of its
-    shape replaces), or None: no table there, no entry of that key, or a table this version cannot read
-    (record() then says so)."""
+def _seeds(directory: Path, mach: Machine, key_: Key,
+           fill: Callable[[planner.Launch], planner.Launch]) -> tuple[planner.Launch, ...]:
+    """The launches a search of key_'s shape starts beside the default, from the machine's table in
+    `directory`: the entry it replaces, and the nearest tuned bucket's launch filled to the GPU (fill:
+    planner.fill_programs), the one resolve() gives this shape without an entry; none where there is no
+    table, or one this version cannot read (record() then says so)."""
     path = directory / mach.file_name()
     try:
-        table = read_table(path) if path.exists() else None
+        entries = read_table(path).entries if path.exists() else ()
     except (ValueError, TypeError, OSError):
-        return None
-    return next((e.launch for e in table.entries if e.key == key_), None) if table is not None else None
+        return ()
+    held = [e.launch for e in entries if e.key == key_]
+    near = [(e.key.bucket.distance(key_.bucket), dataclasses.astuple(e.key.bucket), i) for i, e in enumerate(entries)
+            if e.key != key_ and (e.key.kernel, e.key.spec_hash, e.key.dtype, e.key.bucket.K, e.key.bucket.V) ==
+            (key_.kernel, key_.spec_hash, key_.dtype, key_.bucket.K, key_.bucket.V)
+            and e.key.bucket.distance(key_.bucket)[0] <= NEAREST_OCTAVES]
+    return tuple(held) + ((fill(entries[min(near)[2]].launch),) if near else ())
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:

@@ -825,7 +825,7 @@ def test_a_seed_faster_than_the_search_is_its_best(seed_ms, expected_chunk):
     assert sum(t.launch == fit(seed) for t in found.trials) == 1
 
 
-def test_tune_seeds_the_search_with_the_entry_it_replaces(monkeypatch, tmp_path):
+def test_tune_seeds_the_search_with_the_entry_it_replaces_and_the_nearest(monkeypatch, tmp_path):
     spec = attngen.load_spec(SPECS / "mamba2.yaml")
     shape = Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)
     seeds = []
@@ -839,9 +839,19 @@ def test_tune_seeds_the_search_with_the_entry_it_replaces(monkeypatch, tmp_path)
     tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
     tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
     assert seeds[0] == () and [s.chunk for s in seeds[1]] == [16]
+    # another shape of the same head dims within the nearest-bucket range: the nearest entry's launch
+    # filled to the GPU (what the runtime takes there without an entry), which a search also times
+    tuning.tune(spec, [Shape(batch=1, q_len=100, heads=2, head_dim=16, value_dim=16)], torch.float32, "cpu",
+                mach=FAKE, report=lambda line: None, directory=tmp_path)
+    assert [s.chunk for s in seeds[2]] == [16]
+    # other head dims: none
+    tuning.tune(spec, [Shape(batch=1, q_len=40, heads=2, head_dim=32, value_dim=32)], torch.float32, "cpu",
+                mach=FAKE, report=lambda line: None, directory=tmp_path)
+    assert seeds[3] == ()
     # a table it cannot read holds no seed (writing the entry then reports the table's error)
     (tmp_path / FAKE.file_name()).write_text("not json")
-    assert tuning._held(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16))) is None
+    assert tuning._seeds(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16)),
+                         lambda launch: launch) == ()
 
 
 @pytest.mark.parametrize("bwd_at_32", [21.0, 19.9])
