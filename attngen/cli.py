@@ -243,9 +243,9 @@ def cmd_tune(args) -> int:
             report(f"{spec.name}: shapes with Tq or H_kv skipped: those are for softmax specs")
         if args.missing:
             done = tuning.tuned_shapes(spec, dtype, tuning.machine("cuda"), args.out)
-            if any(format_shape(s) in done for s in shapes):
-                report(f"{spec.name}: in the table already, skipped (--missing): "
-                       + " ".join(format_shape(s) for s in shapes if format_shape(s) in done))
+            skipped = [format_shape(s) for s in shapes if format_shape(s) in done]
+            if skipped:
+                report(f"{spec.name}: in the table already, skipped (--missing): {' '.join(skipped)}")
             shapes = [s for s in shapes if format_shape(s) not in done]
         if shapes:
             tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)

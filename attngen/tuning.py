@@ -346,6 +346,16 @@ def tune_command(spec: Spec, call: Call, dtype: torch.dtype) -> str:
     return f"attngen tune {path} --shapes {shape} --dtype {dtype_name(dtype)}"
 
 
+def nearest(want: Key, keys) -> Key | None:
+    """The key among `keys` (other than want) of want's kernel, spec, dtype and head dims whose bucket is
+    nearest want's, at most NEAREST_OCTAVES away in each size (ties to the smallest bucket); None if none."""
+    near = [(k.bucket.distance(want.bucket), dataclasses.astuple(k.bucket), k) for k in keys
+            if k != want and (k.kernel, k.spec_hash, k.dtype, k.bucket.K, k.bucket.V) ==
+            (want.kernel, want.spec_hash, want.dtype, want.bucket.K, want.bucket.V)
+            and k.bucket.distance(want.bucket)[0] <= NEAREST_OCTAVES]
+    return min(near)[2] if near else None
+
+
 def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
             chunk: int | None = None, search: Callable[[], Entry] | None = None, *, sms: int) -> Chosen:
     """The launch of a call on a machine from its tables (the module docstring's rules). default:
@@ -361,12 +371,9 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
     if chunk is None and search is not None and autotuning():
         entry = search()
         return Chosen(fit(launch=entry.launch), "tuned now (ATTNGEN_AUTOTUNE=1)")
-    near = [(k.bucket.distance(want.bucket), dataclasses.astuple(k.bucket), k) for k in found
-            if (k.kernel, k.spec_hash, k.dtype, k.bucket.K, k.bucket.V) ==
-            (want.kernel, want.spec_hash, want.dtype, want.bucket.K, want.bucket.V)
-            and k.bucket.distance(want.bucket)[0] <= NEAREST_OCTAVES]
+    near = nearest(want, found)
     if near:
-        entry, path = found[min(near)[2]]
+        entry, path = found[near]
         chosen = Chosen(fit(launch=planner.fill_programs(family, spec, call, entry.launch, sms)),
                         f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
     else:
@@ -523,16 +530,16 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         for seed in dict.fromkeys(fit(seed) for seed in seeds):
             if seed not in seen:
                 seen.add(seed)
-                ms = trial(seed, pass_, f"{pass_} [the table's entry]")
+                ms = trial(seed, pass_, f"{pass_} [from the table]")
                 if ms < best_ms[pass_]:
                     best, best_ms[pass_] = seed, ms
         todo = sum(len(cls.__dataclass_fields__[n].metadata["search"]) for n in names)
         for round_ in range(1, rounds + 1):
             improved, done = False, 0
             for name in names:
-                values = cls.__dataclass_fields__[name].metadata["search"]
                 if time.monotonic() > deadline:
                     break
+                values = cls.__dataclass_fields__[name].metadata["search"]
                 # the knob's values with the others at the best so far: they do not depend on
                 # one another's times, so prepare() takes them all at once. A knob started is
                 # finished: its compilation (prepare) is most of its cost, and where that alone outlasts
@@ -642,10 +649,11 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
         prepare = _compiler(module, run.args) if run.args and compiling.applies(torch.device(device)) else None
         timed = ("fwd",) if decode else passes
-        seeds = _seeds(directory or tune_dir(), mach, key(spec, family, call, dtype),
+        key_ = key(spec, family, call, dtype)
+        seeds = _seeds(directory or tune_dir(), mach, key_,
                        lambda launch: planner.fill_programs(family, spec, call, launch, multiprocessors(device)))
         found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare, seeds=seeds)
-        entries.append(Entry(key(spec, family, call, dtype), spec.name, found.best, format_shape(shape),
+        entries.append(Entry(key_, spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
         path = record(entries[-1:], mach, directory)
@@ -673,12 +681,9 @@ def _seeds(directory: Path, mach: Machine, key_: Key,
         entries = read_table(path).entries if path.exists() else ()
     except (ValueError, TypeError, OSError):
         return ()
-    held = [e.launch for e in entries if e.key == key_]
-    near = [(e.key.bucket.distance(key_.bucket), dataclasses.astuple(e.key.bucket), i) for i, e in enumerate(entries)
-            if e.key != key_ and (e.key.kernel, e.key.spec_hash, e.key.dtype, e.key.bucket.K, e.key.bucket.V) ==
-            (key_.kernel, key_.spec_hash, key_.dtype, key_.bucket.K, key_.bucket.V)
-            and e.key.bucket.distance(key_.bucket)[0] <= NEAREST_OCTAVES]
-    return tuple(held) + ((fill(entries[min(near)[2]].launch),) if near else ())
+    by_key = {e.key: e.launch for e in entries}
+    near = nearest(key_, by_key)
+    return ((by_key[key_],) if key_ in by_key else ()) + ((fill(by_key[near]),) if near else ())
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:
@@ -732,9 +737,9 @@ def _cached_runner(op, module, inputs: dict, call: Call):
     cache of that shape has other rows (a sliding window's ring) or the spec is linear."""
     from .serving import StateCache, cached_softmax_args
     spec = op.spec
-    q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
     if spec.is_linear or spec.mask == "sliding_window" or not hasattr(module, "cached_op"):
         return None
+    q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
     B, Tq, H = q.shape[:3]
     Tk, HK = k.shape[1], k.shape[2]
     cache = StateCache(op, B, HK, k.shape[3], v.shape[3], device=q.device, dtype=q.dtype, max_len=Tk,
