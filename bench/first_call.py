@@ -55,11 +55,7 @@ def main() -> None:
     op = attngen.load(args.spec)
     t_load = time.perf_counter() - t0
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
-    inputs = bench_inputs(op.spec, shape, DTYPES[args.dtype], "cuda")
-    if not args.fwd:
-        for t in inputs.values():
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                t.requires_grad_(True)
+    inputs = bench_inputs(op.spec, shape, DTYPES[args.dtype], "cuda", requires_grad=not args.fwd)
     compiled = []
     hook = triton.knobs.runtime.jit_post_compile_hook
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw.get("fn"))

@@ -37,15 +37,8 @@ def main() -> int:
     probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.variant, "variant"))
     op = attngen.load(probe_launch.SPECS / f"{args.spec}.yaml")
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
-    inputs = bench_inputs(op.spec, shape, torch.bfloat16, "cuda")
-    if args.bwd:
-        for t in inputs.values():
-            if isinstance(t, torch.Tensor) and t.is_floating_point():
-                t.requires_grad_(True)
-    out = op(**inputs)
-    o = out[0] if isinstance(out, tuple) else out
-    if args.bwd:
-        o.float().sum().backward()
+    inputs = bench_inputs(op.spec, shape, torch.bfloat16, "cuda", requires_grad=args.bwd)
+    o = probe_launch.grads(op, inputs)["o"] if args.bwd else probe_launch.output(op(**inputs))
     torch.cuda.synchronize()
     print(f"{args.spec} {args.variant or 'planner'}: ran, mean |o| {o.float().abs().mean().item():.6g}")
     return 0
