@@ -29,7 +29,7 @@ for spec in "$@"; do
       --dtype "${TUNE_DTYPE:-bfloat16}" --budget "${TUNE_BUDGET:-40}" --out "${TUNE_OUT:-attngen/tables}" > "$report" 2>&1
     rc=$?
     cat "$report" >> "${TUNE_LOG:-/dev/null}"
-    grep -E "^[a-z_]+ |default\]|best:|timed in|wrote|skipped|Error|error" "$report" | grep -v -E "round [0-9]+ .*: [0-9.]+ ms$"
+    grep -E "^[a-z_]+ |default\]|best:|stands|timed in|wrote|skipped|Error|error" "$report" | grep -v -E "round [0-9]+ .*: [0-9.]+ ms$"
     echo "$spec ${todo[*]}: exit $rc in $(( $(date +%s) - start )) s"
     [ $rc -eq 0 ] && break
     # the process ended early: the first shape it did not write is the one it was searching (left out);
