@@ -34,7 +34,19 @@ def _env() -> jinja2.Environment:
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     # the ops' def lines, calls and schemas are rendered from signature.py's lists
     env.globals.update(wrap=signature.wrap, block=signature.block, string=signature.string)
+    env.filters["piece"] = piece
     return env
+
+
+# What an empty hook fragment renders as: _tidy drops the line it stands on
+_NO_PIECE = "\x00"
+
+
+def piece(text: str, indent: int) -> str:
+    """A hook's fragment on a template line of its own, `{{ fragment | piece(n) }}` at n spaces: its
+    later lines indented to match the first (Jinja's indent filter); an empty fragment (a rule or
+    decay without that piece) leaves no line at all."""
+    return text.replace("\n", "\n" + " " * indent) if text else _NO_PIECE
 
 
 def render(spec: Spec) -> str:
@@ -62,10 +74,15 @@ def kernel_lib_calls(source: str) -> tuple[str, ...]:
 
 
 def _tidy(source: str) -> str:
-    """Strip trailing blanks and collapse runs of blank lines that optional template parts leave."""
+    """Strip trailing blanks, drop the lines of empty hook fragments (piece) and collapse runs of blank
+    lines that optional template parts leave."""
     lines, blank = [], 0
     for line in source.splitlines():
         line = line.rstrip()
+        if line.strip() == _NO_PIECE:
+            continue
+        if _NO_PIECE in line:
+            raise ValueError(f"a template line holds an empty hook fragment beside other text: {line!r}")
         blank = blank + 1 if not line else 0
         if blank <= 2:
             lines.append(line)

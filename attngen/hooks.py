@@ -1,13 +1,16 @@
-"""What an update rule and a decay put into the chunked kernels: one small object each, which the
-planner picks for a spec (planner.kernel_spec: KernelSpec.rule_hook, KernelSpec.decay_hook) and the
-step templates call in place of branching on the rule or the decay (DESIGN.md §5's hooks).
+"""What an update rule and a decay put into the chunked kernels and the token loop (the recurrent
+form): one small object each, which the planner picks for a spec (planner.kernel_spec:
+KernelSpec.rule_hook, KernelSpec.decay_hook) and the templates call in place of branching on the
+rule or the decay (DESIGN.md §5's hooks).
 
 Each method returns a Triton fragment, an expression or lines of code as the generated kernels
-spell them, in the names the step templates define: b_gam, b_gam_rest [BT] (scalar decay) or
+spell them, in the names the templates define: b_gam, b_gam_rest [BT] (scalar decay) or
 [BT, BF] (vector) the per-token decays Γ_t and Γ_C/Γ_t, b_gam_C Γ_C (a scalar, or [BF]), b_G the
 cumulative log decays, m_strict / m_strict_t the pairs s < t in [t, s] and [s, t], m_t / m_tf the
-chunk's tokens, o_tok their rows. A fragment of a rule or decay that has none is the empty string.
-What needs the feature map's Jinja macros too stays a macro of the templates (macros.jinja).
+chunk's tokens, o_tok their rows; in the token loop b_a a token's decay factor, i_tok its row, i_part
+the value block's first partial row. A fragment of a rule or decay that has none is the empty string
+(which the templates' `piece` filter renders as no line). What needs the feature map's Jinja macros
+too stays a macro of the templates (macros.jinja, the rule's folder).
 """
 from __future__ import annotations
 
@@ -111,6 +114,51 @@ class NoDecay:
         """Their mask."""
         return ""
 
+    # The token loop (the recurrent form's forward and backward): b_a, a token's decay factor a_t
+    # (a number, or a column [BF, 1] for a vector decay), S'_t = a_t S_{t-1}.
+    def program_decay(self) -> str:
+        """b_a where it is one per head (constant), loaded once before the loop."""
+        return ""
+
+    def token_decay(self) -> str:
+        """b_a of token i_tok where it differs by token."""
+        return ""
+
+    def apply_decay(self, x: str, note: str = "") -> str:
+        """x [BF, BV] (a state block or its gradient) times b_a, in place, after the comment note."""
+        return ""
+
+    def apply_decay_column(self, x: str) -> str:
+        """x [BF] (the normalizer column or its gradient) times b_a, in place."""
+        return ""
+
+    def walk_dg_term(self, x: str, op: str = "") -> str:
+        """The recurrent backward's per-token term x of the decay gradient (an elementwise product [BF]; a
+        scalar decay's is its sum) in this value block's partial row of token i_tok (dgc): stored (op ""),
+        or added to or taken from what the row holds (op "+" or "-"). A constant decay's gradient is
+        not per token (forward mode: the template's tangent)."""
+        return ""
+
+    def finish_dg_partial(self) -> str:
+        """The last pass: block i_b's partial row i_row of the per-token terms, added to b_dg."""
+        return ""
+
+    def finish_dg_store(self) -> str:
+        """The last pass: dg_t (b_dg) of token i_tok."""
+        return ""
+
+    def walk_dg_buffers(self) -> str:
+        """The launcher's buffers of the decay gradient's partials: dgc per token, dgb per sequence."""
+        return "dgc = dgb = None"
+
+    def walk_dg_output(self) -> str:
+        """The launcher's dg, which the last pass writes."""
+        return "dg = None"
+
+    def walk_dg_result(self) -> str:
+        """dg as the op returns it, after the last pass."""
+        return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class ScalarDecay(NoDecay):
@@ -171,6 +219,45 @@ class ScalarDecay(NoDecay):
     def dg_mask(self) -> str:
         return "m_t"
 
+    def program_decay(self) -> str:
+        return "b_a = tl.exp(tl.load(g + i_h).to(tl.float32))" if self.kind == "constant" else ""
+
+    def token_decay(self) -> str:
+        return "b_a = tl.exp(tl.load(g + i_tok).to(tl.float32))" if self.kind == "scalar" else ""
+
+    def apply_decay(self, x: str, note: str = "") -> str:
+        return (f"# {note}\n" if note else "") + f"{x} = {x} * b_a"
+
+    def apply_decay_column(self, x: str) -> str:
+        return f"{x} = {x} * b_a"
+
+    def walk_dg_term(self, x: str, op: str = "") -> str:
+        if self.kind != "scalar":
+            return ""
+        if not op:
+            return f"tl.store(dgc + i_part + i_tok, tl.sum({x}, 0))"
+        return f"tl.store(dgc + i_part + i_tok, tl.load(dgc + i_part + i_tok) {op} tl.sum({x}, 0))"
+
+    def finish_dg_partial(self) -> str:
+        return "b_dg += tl.load(dgc + i_row)" if self.kind == "scalar" else ""
+
+    def finish_dg_store(self) -> str:
+        return "tl.store(dg + i_tok, b_dg)" if self.kind == "scalar" else ""
+
+    def walk_dg_buffers(self) -> str:
+        if self.kind == "constant":
+            return "# dg per value block and sequence\ndgc, dgb = None, torch.empty(NV, N, H, **f32)"
+        return ("# dg's per-token terms and its start <dht, S_T>\ndgc = torch.empty(NV, B, T, H, **f32)\n"
+                "dgb = torch.empty(NV, N, H, **f32) if dht is not None else None")
+
+    def walk_dg_output(self) -> str:
+        if self.kind == "constant":
+            return "# per sequence, summed below into the per-head constant's\ndg = torch.empty(N, H, **f32)"
+        return "dg = torch.empty(B, T, H, **f32)"
+
+    def walk_dg_result(self) -> str:
+        return ("dg = dg.sum(0)\n" if self.kind == "constant" else "") + "dg = dg.to(g.dtype)"
+
 
 @dataclasses.dataclass(frozen=True)
 class VectorDecay(NoDecay):
@@ -227,6 +314,37 @@ class VectorDecay(NoDecay):
     def dg_mask(self) -> str:
         return "m_tf"
 
+    def token_decay(self) -> str:
+        return "# [BF, 1]\nb_a = tl.exp(tl.load(g + i_tok * K + o_f, mask=m_f, other=0.0).to(tl.float32))[:, None]"
+
+    def apply_decay(self, x: str, note: str = "") -> str:
+        return (f"# {note}\n" if note else "") + f"{x} = {x} * b_a"
+
+    def apply_decay_column(self, x: str) -> str:
+        return f"{x} = {x} * tl.reshape(b_a, [BF])"
+
+    def walk_dg_term(self, x: str, op: str = "") -> str:
+        if not op:
+            return f"tl.store(dgc + (i_part + i_tok) * F + o_f, {x}, mask=m_f)"
+        return ("p_dg = dgc + (i_part + i_tok) * F + o_f\n"
+                f"tl.store(p_dg, tl.load(p_dg, mask=m_f, other=0.0) {op} {x}, mask=m_f)")
+
+    def finish_dg_partial(self) -> str:
+        return "b_dg += tl.load(dgc + i_row * F + o_f, mask=m_f, other=0.0)"
+
+    def finish_dg_store(self) -> str:
+        return "tl.store(dg + i_tok * K + o_f, b_dg, mask=m_f)"
+
+    def walk_dg_buffers(self) -> str:
+        return ("# dg's per-token terms and its start <dht, S_T>\ndgc = torch.empty(NV, B, T, H, F, **f32)\n"
+                "dgb = torch.empty(NV, N, H, F, **f32) if dht is not None else None")
+
+    def walk_dg_output(self) -> str:
+        return "dg = torch.empty(B, T, H, K, **f32)"
+
+    def walk_dg_result(self) -> str:
+        return "dg = dg.to(g.dtype)"
+
 
 @dataclasses.dataclass(frozen=True)
 class AdditiveRule:
@@ -247,8 +365,8 @@ class AdditiveRule:
     def templates(self) -> str:
         """The folder of the rule's own templates (templates/rules/<name>/): macros.jinja, the chunked
         forward's prepare step (its macros, fwd_macros.jinja, and its host code in chunked_states,
-        fwd_prepare.py.jinja), and the chunked backward's header (bwd_header.py.jinja) and host code
-        from step 3 on (bwd_steps.py.jinja)."""
+        fwd_prepare.py.jinja), the chunked backward's header (bwd_header.py.jinja) and host code
+        from step 3 on (bwd_steps.py.jinja), and the recurrent backward's token steps (recurrent_bwd.jinja)."""
         return f"rules/{self.name}/"
 
     @property
@@ -272,6 +390,16 @@ class AdditiveRule:
     def state_update(self, decayed_dh: str) -> str:
         """Step 3's dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO (decayed_dh: Γ_C dS), and the rule's own term."""
         return f"b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, {decayed_dh})"
+
+    @property
+    def recurrent_steps(self) -> str:
+        """The template of the rule's token steps in the recurrent backward (walk, reverse, the last pass's
+        partials, the launcher's buffers and a third walk), which it imports as `rule_steps`."""
+        return self.templates + "recurrent_bwd.jinja"
+
+    def token_values(self) -> str:
+        """The token loop's (recurrent forward's) b_v [BV] that token i_tok writes into the decayed state b_h."""
+        return ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +436,11 @@ class DeltaRule(AdditiveRule):
     def state_update(self, decayed_dh: str) -> str:
         return ("# (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)\n"
                 f"b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, {decayed_dh}))")
+
+    def token_values(self) -> str:
+        return ("b_beta = tl.load(beta + i_tok).to(tl.float32)\n"
+                "# [BV] the delta rule's correction of v by what the decayed state already predicts\n"
+                "b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))")
 
 
 def decay_hook(decay: str) -> NoDecay:

@@ -244,10 +244,45 @@ def test_hooks_of_every_rule_and_decay():
     for rule in ("additive", "delta"):
         folder = templates / hooks.rule_hook(rule).templates
         assert {p.name for p in folder.iterdir()} == {"macros.jinja", "fwd_macros.jinja", "fwd_prepare.py.jinja",
-                                                   "bwd_header.py.jinja", "bwd_steps.py.jinja"}
+                                                   "bwd_header.py.jinja", "bwd_steps.py.jinja", "recurrent_bwd.jinja"}
         text = (templates / hooks.rule_hook(rule).macros).read_text()
         assert "{% macro key_features() -%}" in text and "{% macro keys_out() -%}" in text, rule
+        # the recurrent backward's token steps: every rule defines each macro the template calls
+        steps = (templates / hooks.rule_hook(rule).recurrent_steps).read_text()
+        for macro in ("formulas", "walk", "reverse", "partials_init", "partials_add", "partials_store", "buffers",
+                      "third_walk"):
+            assert f"{{% macro {macro}()" in steps, (rule, macro)
+    # the token loop's pieces: none where the rule or decay has no such piece
+    assert hooks.rule_hook("additive").token_values() == "" and "b_beta" in hooks.rule_hook("delta").token_values()
+    assert [hooks.decay_hook(d).token_decay() != "" for d in ("none", "constant", "scalar", "vector")] == [
+        False, False, True, True]
+    assert [hooks.decay_hook(d).program_decay() != "" for d in ("none", "constant", "scalar", "vector")] == [
+        False, True, False, False]
+    assert hooks.decay_hook("vector").apply_decay_column("b_z") == "b_z = b_z * tl.reshape(b_a, [BF])"
+    assert hooks.decay_hook("scalar").apply_decay("b_h", "S'_t") == "# S'_t\nb_h = b_h * b_a"
+    # per-token decay-gradient terms: scalar summed, vector by feature, none for a constant (forward mode)
+    assert hooks.decay_hook("scalar").walk_dg_term("x", "-") == (
+        "tl.store(dgc + i_part + i_tok, tl.load(dgc + i_part + i_tok) - tl.sum(x, 0))")
+    assert hooks.decay_hook("vector").walk_dg_term("x") == "tl.store(dgc + (i_part + i_tok) * F + o_f, x, mask=m_f)"
+    assert hooks.decay_hook("constant").walk_dg_term("x", "+") == hooks.decay_hook("none").walk_dg_term("x") == ""
+    assert hooks.decay_hook("constant").walk_dg_result() == "dg = dg.sum(0)\ndg = dg.to(g.dtype)"
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
         hooks.rule_hook("gated")
+
+
+def test_an_empty_hook_fragment_leaves_no_line():
+    """`{{ fragment | piece(n) }}` on a template line of its own: a fragment's later lines indented to its
+    first; an empty one drops the line (no blank line where a rule or decay has no such piece); an empty
+    fragment beside other text on its line is an error, not a stray byte in the module."""
+    import jinja2
+
+    from attngen import codegen
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["piece"] = codegen.piece
+    template = env.from_string("def f():\n    a = 1\n    {{ x | piece(4) }}\n    return a\n")
+    assert codegen._tidy(template.render(x="")) == "def f():\n    a = 1\n    return a\n"
+    assert codegen._tidy(template.render(x="# two\na = 2")) == "def f():\n    a = 1\n    # two\n    a = 2\n    return a\n"
+    with pytest.raises(ValueError, match="empty hook fragment beside other text"):
+        codegen._tidy(env.from_string("    a = {{ x | piece(4) }}\n").render(x=""))
