@@ -45,7 +45,9 @@ _NO_PIECE = "\x00"
 def piece(text: str, indent: int) -> str:
     """A hook's fragment on a template line of its own, `{{ fragment | piece(n) }}` at n spaces: its
     later lines indented to match the first (Jinja's indent filter); an empty fragment (a rule or
-    decay without that piece) leaves no line at all."""
+    decay without that piece) leaves no line at all. Trailing blanks are not part of it (a macro whose
+    body ends in a block tag leaves a newline)."""
+    text = str(text).rstrip()
     return text.replace("\n", "\n" + " " * indent) if text else _NO_PIECE
 
 

@@ -41,6 +41,13 @@ class NoDecay:
         return "decay_grads/none.jinja"
 
     @property
+    def walk_grad_macros(self) -> str:
+        """The template of the recurrent backward's decay gradient (templates/decay_grads/walk_*.jinja: walk_start,
+        walk_tangent, walk_query_term, walk_end, finish_start), which it imports as `walk_grads`: none; a
+        constant decay's by forward mode (walk_constant); a per-token decay's from the last token back (walk_token)."""
+        return "decay_grads/walk_" + {"none": "none", "constant": "constant"}.get(self.kind, "token") + ".jinja"
+
+    @property
     def token_dg(self) -> bool:
         """Whether the decay gradient is per token (scalar, vector); a constant decay's is one sum."""
         return self.kind in ("scalar", "vector")

@@ -229,9 +229,10 @@ def test_hooks_of_every_rule_and_decay():
     # the decay gradient's terms: by token (scalar, vector), one sum (constant), none
     assert [hooks.decay_hook(d).grad_macros for d in ("none", "constant", "scalar", "vector")] == [
         "decay_grads/none.jinja", "decay_grads/constant.jinja", "decay_grads/token.jinja", "decay_grads/token.jinja"]
-    assert {f"decay_grads/{p.name}" for p in (templates / "decay_grads").glob("*.jinja")} == {
+    chunked = [p for p in (templates / "decay_grads").glob("*.jinja") if not p.name.startswith("walk_")]
+    assert {f"decay_grads/{p.name}" for p in chunked} == {
         "decay_grads/none.jinja", "decay_grads/constant.jinja", "decay_grads/token.jinja"}
-    for path in (templates / "decay_grads").glob("*.jinja"):
+    for path in chunked:
         text = path.read_text()
         for macro in ("query_terms(decay)", "output_terms(decay, kf, dg_out, dg_dtype)", "transform_terms(decay)"):
             assert f"{{% macro {macro} -%}}" in text, (path.name, macro)
@@ -266,6 +267,14 @@ def test_hooks_of_every_rule_and_decay():
     assert hooks.decay_hook("vector").walk_dg_term("x") == "tl.store(dgc + (i_part + i_tok) * F + o_f, x, mask=m_f)"
     assert hooks.decay_hook("constant").walk_dg_term("x", "+") == hooks.decay_hook("none").walk_dg_term("x") == ""
     assert hooks.decay_hook("constant").walk_dg_result() == "dg = dg.sum(0)\ndg = dg.to(g.dtype)"
+    # the recurrent backward's decay-gradient mechanism per decay: none, forward mode (constant), per token
+    assert [hooks.decay_hook(d).walk_grad_macros for d in ("none", "constant", "scalar", "vector")] == [
+        "decay_grads/walk_none.jinja", "decay_grads/walk_constant.jinja", "decay_grads/walk_token.jinja",
+        "decay_grads/walk_token.jinja"]
+    for path in sorted((templates / "decay_grads").glob("walk_*.jinja")):
+        text = path.read_text()
+        for macro in ("walk_start", "walk_tangent", "walk_query_term", "walk_end", "finish_start"):
+            assert f"{{% macro {macro}()" in text, (path.name, macro)
     with pytest.raises(ValueError, match="decay: 'linear' is not allowed; allowed: none, constant, scalar, vector"):
         hooks.decay_hook("linear")
     with pytest.raises(ValueError, match="update: 'gated' is not allowed; allowed: additive, delta"):
