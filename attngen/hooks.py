@@ -92,6 +92,35 @@ class NoDecay:
         """The pairs' decay ratios Γ_t/Γ_s (s < t) as factors of whole [BT, BT] tiles: D in [t, s], D^T in [s, t]."""
         return ""
 
+    def column_times(self, x: str) -> str:
+        """x [BF] (the normalizer column z, or its gradient) times Γ_C."""
+        return f"{x} * b_gam_C" if self.decayed else x
+
+    # The state passes' segments (rule.segmented: kernel_lib.chunked_state_segments): a segment's end state is
+    # D S + E of its start state S, D [BF] the product of its chunks' Γ_C (1 without a decay), E its end state
+    # from zeros; segment o_e's D and E stored by the first launch (ENDS), read by the second.
+    def segment_carry(self, x: str, d: str, e: str) -> str:
+        """x [BF, BV] <- D x + e, D segment o_e's decay from d (b_dj, for segment_carry_column too)."""
+        if not self.decayed:
+            return f"{x} += {e}"
+        return f"b_dj = tl.load({d} + o_e * F + o_f, mask=m_f, other=0.0)\n{x} = {x} * b_dj[:, None] + {e}"
+
+    def segment_carry_column(self, x: str, e: str) -> str:
+        """x [BF] (the normalizer column or its gradient) <- D x + e."""
+        return f"{x} = {x} * b_dj + {e}" if self.decayed else f"{x} = {x} + {e}"
+
+    def segment_decay_start(self) -> str:
+        """ENDS: b_dseg [BF], the segment's D so far (before its first chunk)."""
+        return "b_dseg = tl.full([BF], 1.0, tl.float32)" if self.decayed else ""
+
+    def segment_decay_step(self) -> str:
+        """ENDS: b_dseg after a chunk (Γ_C in b_gam_C)."""
+        return "if ENDS:\n    b_dseg = b_dseg * b_gam_C" if self.decayed else ""
+
+    def segment_decay_store(self, d: str) -> str:
+        """ENDS: the segment's D into d, row o_e."""
+        return f"tl.store({d} + o_e * F + o_f, b_dseg, mask=m_f)" if self.decayed else ""
+
     def chunk_decay_buffer(self) -> str:
         """The host's gc, Γ_C per chunk slot (float32), which the prepare step writes."""
         return "gc = None"

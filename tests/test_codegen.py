@@ -267,6 +267,14 @@ def test_hooks_of_every_rule_and_decay():
     assert hooks.decay_hook("vector").walk_dg_term("x") == "tl.store(dgc + (i_part + i_tok) * F + o_f, x, mask=m_f)"
     assert hooks.decay_hook("constant").walk_dg_term("x", "+") == hooks.decay_hook("none").walk_dg_term("x") == ""
     assert hooks.decay_hook("constant").walk_dg_result() == "dg = dg.sum(0)\ndg = dg.to(g.dtype)"
+    # the state passes' segments: D S + E, D = 1 without a decay (and no D kept)
+    assert hooks.decay_hook("none").segment_carry("b_h", "hd", "E") == "b_h += E"
+    assert hooks.decay_hook("vector").segment_carry("b_h", "hd", "E").splitlines()[1] == "b_h = b_h * b_dj[:, None] + E"
+    assert hooks.decay_hook("constant").segment_carry_column("b_z", "e") == "b_z = b_z * b_dj + e"
+    assert [hooks.decay_hook(d).segment_decay_store("hd") == "" for d in ("none", "constant", "scalar", "vector")] == [
+        True, False, False, False]
+    assert hooks.decay_hook("none").column_times("b_z") == "b_z" and hooks.decay_hook("scalar").column_times("b_z") == (
+        "b_z * b_gam_C")
     # the recurrent backward's decay-gradient mechanism per decay: none, forward mode (constant), per token
     assert [hooks.decay_hook(d).walk_grad_macros for d in ("none", "constant", "scalar", "vector")] == [
         "decay_grads/walk_none.jinja", "decay_grads/walk_constant.jinja", "decay_grads/walk_token.jinja",
