@@ -38,8 +38,10 @@ def _env() -> jinja2.Environment:
     return env
 
 
-# What an empty hook fragment renders as: _tidy drops the line it stands on
-_NO_PIECE = "\x00"
+# What an empty hook fragment renders as: _tidy drops the line it stands on. A whitespace character to
+# Python's str.strip (the unit separator), so that where a macro's output ends in it, a caller's `trim`
+# takes it with the newlines before it, as it takes an empty part's
+_NO_PIECE = "\x1f"
 
 
 def piece(text: str, indent: int) -> str:
@@ -80,11 +82,11 @@ def _tidy(source: str) -> str:
     lines that optional template parts leave."""
     lines, blank = [], 0
     for line in source.splitlines():
-        line = line.rstrip()
-        if line.strip() == _NO_PIECE:
-            continue
         if _NO_PIECE in line:
-            raise ValueError(f"a template line holds an empty hook fragment beside other text: {line!r}")
+            if line.replace(_NO_PIECE, "").strip():
+                raise ValueError(f"a template line holds an empty hook fragment beside other text: {line!r}")
+            continue
+        line = line.rstrip()
         blank = blank + 1 if not line else 0
         if blank <= 2:
             lines.append(line)

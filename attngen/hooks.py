@@ -92,6 +92,11 @@ class NoDecay:
         """The pairs' decay ratios Γ_t/Γ_s (s < t) as factors of whole [BT, BT] tiles: D in [t, s], D^T in [s, t]."""
         return ""
 
+    def chunk_program_decay(self) -> str:
+        """b_gc, a constant decay's log decay of head i_h (G_DTYPE, floored), loaded once per program of a chunked
+        step: macros.chunk_decays spreads it over a chunk's tokens."""
+        return "b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))" if self.kind == "constant" else ""
+
     def column_times(self, x: str) -> str:
         """x [BF] (the normalizer column z, or its gradient) times Γ_C."""
         return f"{x} * b_gam_C" if self.decayed else x
@@ -120,6 +125,39 @@ class NoDecay:
     def segment_decay_store(self, d: str) -> str:
         """ENDS: the segment's D into d, row o_e."""
         return f"tl.store({d} + o_e * F + o_f, b_dseg, mask=m_f)" if self.decayed else ""
+
+    # The decay gradient's chunk term sum_v h_c ⊙ dS [BF] (b_dgc): summed in step 4a's loop over value blocks,
+    # where h_c is loaded anyway (b_hct [BV, BF], offsets o_hc), stored into dgc for step 4b, which loads it.
+    def chunk_term_start(self, normalized: bool) -> str:
+        """b_dgc before the loop: zeros, or with the sum normalizer z_c ⊙ dz, the normalizer column's share."""
+        if not self.decayed:
+            return ""
+        if normalized:
+            return ("# z_c ⊙ dz, the chunk term's share of the normalizer column\n"
+                    "b_dgc = b_zc * tl.load(dsz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)")
+        return "b_dgc = tl.zeros([BF], dtype=tl.float32)"
+
+    def chunk_term_block(self) -> str:
+        """The value block's share of b_dgc."""
+        if not self.decayed:
+            return ""
+        return ("# [BV, BF] dS transposed by the load, as h_c\n"
+                "b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)\n"
+                "b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)")
+
+    def chunk_term_store(self) -> str:
+        """b_dgc into dgc, chunk slot i_s."""
+        if not self.decayed:
+            return ""
+        return ("# [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's\n"
+                "tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)")
+
+    def chunk_term_load(self) -> str:
+        """Step 4b: b_dgc, as step 4a stored it."""
+        if not self.decayed:
+            return ""
+        return ("# [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)\n"
+                "b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)")
 
     def chunk_decay_buffer(self) -> str:
         """The host's gc, Γ_C per chunk slot (float32), which the prepare step writes."""
@@ -437,6 +475,19 @@ class AdditiveRule:
         """The token loop's (recurrent forward's) b_v [BV] that token i_tok writes into the decayed state b_h."""
         return ""
 
+    # Step 4a (the dq step) reads h_c once, by value blocks (b_hct [BV, BF]): the rule's own products with it.
+    def dq_start(self) -> str:
+        """Before the loop over value blocks."""
+        return ""
+
+    def dq_value_block(self) -> str:
+        """In it, value block o_v (b_hct loaded)."""
+        return ""
+
+    def dq_end(self) -> str:
+        """After it."""
+        return ""
+
 
 @dataclasses.dataclass(frozen=True)
 class DeltaRule(AdditiveRule):
@@ -477,6 +528,20 @@ class DeltaRule(AdditiveRule):
         return ("b_beta = tl.load(beta + i_tok).to(tl.float32)\n"
                 "# [BV] the delta rule's correction of v by what the decayed state already predicts\n"
                 "b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))")
+
+    def dq_start(self) -> str:
+        return "b_duh = tl.zeros([BT, BF], dtype=tl.float32)"
+
+    def dq_value_block(self) -> str:
+        return ("# [BT, BV] dU, as step 3 completed it\n"
+                "b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)\n"
+                "b_duh = chunked_dot(b_du, b_hct, DOT_PRECISION, b_duh)")
+
+    def dq_end(self) -> str:
+        # dW = -dU h_c^T for step 5 (the UT transform's gradient of W)
+        return ("# [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)\n"
+                "tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), "
+                "mask=m_t[:, None] & m_f[None, :])")
 
 
 def decay_hook(decay: str) -> NoDecay:

@@ -303,3 +303,9 @@ def test_an_empty_hook_fragment_leaves_no_line():
     assert codegen._tidy(template.render(x="# two\na = 2")) == "def f():\n    a = 1\n    # two\n    a = 2\n    return a\n"
     with pytest.raises(ValueError, match="empty hook fragment beside other text"):
         codegen._tidy(env.from_string("    a = {{ x | piece(4) }}\n").render(x=""))
+    # at the end of a macro's output that its caller trims, an empty fragment goes with the newlines before it
+    # (as an absent {% if %} part's would): no blank line after the macro's last line
+    macro = env.from_string("{% macro head() %}\nb = 2\n\n{{ x | piece(0) }}\n{%- endmacro %}"
+                            "def f():\n    {{ head() | indent(4) | trim }}\n    return b\n")
+    assert codegen._tidy(macro.render(x="")) == "def f():\n    b = 2\n    return b\n"
+    assert codegen._tidy(macro.render(x="c = 3")) == "def f():\n    b = 2\n\n    c = 3\n    return b\n"
