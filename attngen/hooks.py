@@ -439,8 +439,9 @@ class AdditiveRule:
     def templates(self) -> str:
         """The folder of the rule's own templates (templates/rules/<name>/): macros.jinja, the chunked
         forward's prepare step (its macros, fwd_macros.jinja, and its host code in chunked_states,
-        fwd_prepare.py.jinja), the chunked backward's header (bwd_header.py.jinja) and host code
-        from step 3 on (bwd_steps.py.jinja), and the recurrent backward's token steps (recurrent_bwd.jinja)."""
+        fwd_prepare.py.jinja), the chunked backward's header (bwd_header.py.jinja) and host code: step 1's
+        recomputation (bwd_recompute.py.jinja), step 2's buffers (bwd_local.py.jinja) and from step 3 on
+        (bwd_steps.py.jinja), and the recurrent backward's token steps (recurrent_bwd.jinja)."""
         return f"rules/{self.name}/"
 
     @property
@@ -474,6 +475,10 @@ class AdditiveRule:
     def token_values(self) -> str:
         """The token loop's (recurrent forward's) b_v [BV] that token i_tok writes into the decayed state b_h."""
         return ""
+
+    def saved(self) -> str:
+        """The chunked forward's `saved`, what it keeps for the backward (from its states st)."""
+        return "saved = None"
 
     # Step 4a (the dq step) reads h_c once, by value blocks (b_hct [BV, BF]): the rule's own products with it.
     def dq_start(self) -> str:
@@ -528,6 +533,10 @@ class DeltaRule(AdditiveRule):
         return ("b_beta = tl.load(beta + i_tok).to(tl.float32)\n"
                 "# [BV] the delta rule's correction of v by what the decayed state already predicts\n"
                 "b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))")
+
+    def saved(self) -> str:
+        # the rows of (I + A)^-1, where the backward's chunk divides the forward's (chunked_keeps_inverse)
+        return "saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None"
 
     def dq_start(self) -> str:
         return "b_duh = tl.zeros([BT, BF], dtype=tl.float32)"

@@ -245,7 +245,8 @@ def test_hooks_of_every_rule_and_decay():
     for rule in ("additive", "delta"):
         folder = templates / hooks.rule_hook(rule).templates
         assert {p.name for p in folder.iterdir()} == {"macros.jinja", "fwd_macros.jinja", "fwd_prepare.py.jinja",
-                                                   "bwd_header.py.jinja", "bwd_steps.py.jinja", "recurrent_bwd.jinja"}
+                                                   "bwd_header.py.jinja", "bwd_recompute.py.jinja", "bwd_local.py.jinja",
+                                                   "bwd_steps.py.jinja", "recurrent_bwd.jinja"}
         text = (templates / hooks.rule_hook(rule).macros).read_text()
         assert "{% macro key_features() -%}" in text and "{% macro keys_out() -%}" in text, rule
         # the recurrent backward's token steps: every rule defines each macro the template calls
