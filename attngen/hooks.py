@@ -1,7 +1,7 @@
 """What an update rule and a decay put into the chunked kernels and the token loop (the recurrent
-form): one small object each, which the planner picks for a spec (planner.kernel_spec:
-KernelSpec.rule_hook, KernelSpec.decay_hook) and the templates call in place of branching on the
-rule or the decay (DESIGN.md §5's hooks).
+form), and a softmax mask into the softmax kernels: one small object each, which the planner picks
+for a spec (planner.kernel_spec: KernelSpec.rule_hook, KernelSpec.decay_hook, KernelSpec.mask_hook)
+and the templates call in place of branching on the rule, the decay or the mask (DESIGN.md §5's hooks).
 
 Each method returns a Triton fragment, an expression or lines of code as the generated kernels
 spell them, in the names the templates define: b_gam, b_gam_rest [BT] (scalar decay) or
@@ -551,6 +551,77 @@ class DeltaRule(AdditiveRule):
         return ("# [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)\n"
                 "tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), "
                 "mask=m_t[:, None] & m_f[None, :])")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """A softmax spec's mask as the kernels apply it to a tile straddling its edge (FlexAttention's mask_mod):
+    which key positions k a query at position q sees. causal: k <= q; sliding_window: also k > q - window;
+    bidirectional: every key (a tile masks only keys past the sequence's end)."""
+
+    kind: str = "causal"
+    window: int = 0
+
+    @property
+    def macros(self) -> str:
+        """The template of its tile ranges (templates/masks/<kind>.jinja: which key tiles a query block visits
+        and which of them it masks, and the dk/dv pass's query tiles), imported as `mask_tiles`."""
+        return f"masks/{self.kind}.jinja"
+
+    def tile_mask(self, k: str, q: str, valid: str = "") -> str:
+        """The tile's allowed pairs, k and q the key and query positions broadcast to the tile (as the
+        template's layout has them), and with `valid` (keys within the sequence) where given."""
+        terms = {"causal": [f"{k} <= {q}"], "sliding_window": [f"{k} <= {q}", f"{k} > {q} - {self.window}"],
+                 "bidirectional": []}[self.kind]
+        parts = ([valid] if valid else []) + [f"({t})" if len(terms) + bool(valid) > 1 else t for t in terms]
+        return " & ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreBias:
+    """A softmax spec's bias on the scores (FlexAttention's score_mod): none, or a scalar decay's G[p] - G[j]
+    of query position p and key j (forgetting attention), G the cumulative log decays as float32 pairs
+    (g_hi, g_lo). Its kernel pieces are the macros of templates/bias/; here, what its kernels pass on."""
+
+    kind: str = "none"
+
+    @property
+    def biased(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def macros(self) -> str:
+        """The template of its kernel pieces (templates/bias/), which the softmax templates import as `bias`."""
+        return f"bias/{'decay' if self.biased else 'none'}.jinja"
+
+    @property
+    def pointers(self) -> str:
+        """G's pairs, in a kernel's or a tile function's pointer arguments."""
+        return "g_hi, g_lo, " if self.biased else ""
+
+    @property
+    def query_carry(self) -> str:
+        """G at a query block's positions, carried into the key-tile functions."""
+        return "b_ghq, b_glq, " if self.biased else ""
+
+    @property
+    def key_carry(self) -> str:
+        """G at a key block's positions and at its last real key, carried into the query-tile functions."""
+        return "b_ghk, b_glk, b_ghr, b_glr, " if self.biased else ""
+
+
+def bias_hook(decay: str) -> ScoreBias:
+    """The hook of a softmax spec's score bias, from its decay: none | scalar."""
+    if decay not in ("none", "scalar"):
+        raise ValueError(f"decay: {decay!r} is not allowed for softmax attention; allowed: none, scalar")
+    return ScoreBias("none" if decay == "none" else "decay")
+
+
+def mask_hook(mask: str, window: int = 0) -> Mask:
+    """The hook of a softmax spec's mask: causal | sliding_window | bidirectional."""
+    if mask not in ("causal", "sliding_window", "bidirectional"):
+        raise ValueError(f"mask: {mask!r} is not allowed; allowed: causal, sliding_window, bidirectional")
+    return Mask(mask, window)
 
 
 def decay_hook(decay: str) -> NoDecay:

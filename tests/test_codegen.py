@@ -1,5 +1,6 @@
 """Code generation: committed modules match a fresh compile, the source is readable and
 valid for any legal spec, and the CLI regenerates byte-identically."""
+import re
 from pathlib import Path
 
 import pytest
@@ -194,8 +195,8 @@ def test_the_chunk_term_in_the_dq_step():
 
 
 def test_hooks_of_every_rule_and_decay():
-    """planner.kernel_spec fills the update rule's and the decay's hook objects (attngen/hooks.py) the
-    step templates take their fragments from; an unknown rule or decay is a clear error."""
+    """planner.kernel_spec fills the update rule's, the decay's and (softmax) the mask's and the score bias's hook
+    objects (attngen/hooks.py) the templates take their fragments from; an unknown one is a clear error."""
     from attngen import hooks
 
     for path in SPECS:
@@ -203,6 +204,27 @@ def test_hooks_of_every_rule_and_decay():
         ks = planner.kernel_spec(spec)
         assert ks.decay_hook.kind == spec.decay and ks.decay_hook.decayed == (spec.decay != "none")
         assert (ks.rule_hook.name == spec.update) if spec.is_linear else ks.rule_hook is None
+        assert ks.mask_hook is None if spec.is_linear else (ks.mask_hook.kind, ks.mask_hook.window) == (
+            spec.mask, spec.window or 0)
+    # a softmax mask on a tile's edge (FlexAttention's mask_mod): the allowed pairs, with the keys' bound
+    assert hooks.mask_hook("causal").tile_mask("k", "q", valid="m") == "m & (k <= q)"
+    assert hooks.mask_hook("causal").tile_mask("k", "q") == "k <= q"
+    assert hooks.mask_hook("sliding_window", 64).tile_mask("k", "q") == "(k <= q) & (k > q - 64)"
+    assert hooks.mask_hook("bidirectional").tile_mask("k", "q", valid="m") == "m"
+    with pytest.raises(ValueError, match="mask: 'local' is not allowed; allowed: causal, sliding_window, bidirectional"):
+        hooks.mask_hook("local")
+    # and its tile ranges (which tiles a block visits, which it masks): one template per mask, the same macros
+    ranges = [(ROOT / "attngen" / "templates" / hooks.mask_hook(m).macros).read_text()
+              for m in ("causal", "sliding_window", "bidirectional")]
+    assert {tuple(sorted(re.findall(r"{% macro (\w+)\(", text))) for text in ranges} == {("key_tiles", "query_tiles")}
+    # a softmax bias on the scores (FlexAttention's score_mod): a decay's kernel pieces in templates/bias/decay.jinja,
+    # none's the same macros, empty
+    assert (hooks.bias_hook("none").pointers, hooks.bias_hook("scalar").pointers) == ("", "g_hi, g_lo, ")
+    assert [hooks.bias_hook(d).macros for d in ("none", "scalar")] == ["bias/none.jinja", "bias/decay.jinja"]
+    biased, plain = ((ROOT / "attngen" / "templates" / hooks.bias_hook(d).macros).read_text() for d in ("scalar", "none"))
+    assert set(re.findall(r"{% macro (\w+)\(\)", biased)) == set(re.findall(r"{% macro (\w+)\(\)", plain)) != set()
+    with pytest.raises(ValueError, match="decay: 'vector' is not allowed for softmax attention; allowed: none, scalar"):
+        hooks.bias_hook("vector")
     assert hooks.decay_hook("vector").dg_rows() == "o_tok[:, None] * K + o_f[None, :]"
     assert hooks.decay_hook("constant").rows_times("x", "g") == "x * g[:, None]"
     assert hooks.decay_hook("none").state_times("b_dh") == "b_dh"
