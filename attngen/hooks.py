@@ -1,7 +1,8 @@
 """What an update rule and a decay put into the chunked kernels and the token loop (the recurrent
-form), and a softmax mask into the softmax kernels: one small object each, which the planner picks
-for a spec (planner.kernel_spec: KernelSpec.rule_hook, KernelSpec.decay_hook, KernelSpec.mask_hook)
-and the templates call in place of branching on the rule, the decay or the mask (DESIGN.md §5's hooks).
+form), and a softmax mask and score bias into the softmax kernels: one small object each, which the
+planner picks for a spec (planner.kernel_spec: KernelSpec.rule_hook, decay_hook, mask_hook, bias_hook)
+and the templates call in place of branching on the rule, the decay, the mask or the bias (DESIGN.md
+§5's hooks).
 
 Each method returns a Triton fragment, an expression or lines of code as the generated kernels
 spell them, in the names the templates define: b_gam, b_gam_rest [BT] (scalar decay) or
@@ -199,8 +200,11 @@ class NoDecay:
         return ""
 
     def apply_decay(self, x: str, note: str = "") -> str:
-        """x [BF, BV] (a state block or its gradient) times b_a, in place, after the comment note."""
-        return ""
+        """x [BF, BV] (a state block or its gradient) times b_a, in place, after the comment note (b_a
+        broadcasts over the columns, a number or a [BF, 1] column alike)."""
+        if not self.decayed:
+            return ""
+        return (f"# {note}\n" if note else "") + f"{x} = {x} * b_a"
 
     def apply_decay_column(self, x: str) -> str:
         """x [BF] (the normalizer column or its gradient) times b_a, in place."""
@@ -299,9 +303,6 @@ class ScalarDecay(NoDecay):
     def token_decay(self) -> str:
         return "b_a = tl.exp(tl.load(g + i_tok).to(tl.float32))" if self.kind == "scalar" else ""
 
-    def apply_decay(self, x: str, note: str = "") -> str:
-        return (f"# {note}\n" if note else "") + f"{x} = {x} * b_a"
-
     def apply_decay_column(self, x: str) -> str:
         return f"{x} = {x} * b_a"
 
@@ -390,9 +391,6 @@ class VectorDecay(NoDecay):
 
     def token_decay(self) -> str:
         return "# [BF, 1]\nb_a = tl.exp(tl.load(g + i_tok * K + o_f, mask=m_f, other=0.0).to(tl.float32))[:, None]"
-
-    def apply_decay(self, x: str, note: str = "") -> str:
-        return (f"# {note}\n" if note else "") + f"{x} = {x} * b_a"
 
     def apply_decay_column(self, x: str) -> str:
         return f"{x} = {x} * tl.reshape(b_a, [BF])"
