@@ -53,6 +53,18 @@ class NoDecay:
         """Whether the decay gradient is per token (scalar, vector); a constant decay's is one sum."""
         return self.kind in ("scalar", "vector")
 
+    # The chunked forward's host code: what its output pass reads of the decay (vector decay: Γ_C, whose
+    # span picks each chunk's kernel, and a second kernel for the chunks by 16-token blocks) and the
+    # buffer of the state passes' segment decays D.
+    output_pointers: str = ""                       # the output kernels' Γ_C argument
+    output_blocks_kernel: str = ""                  # the second output kernel, in CHUNKED_OUTPUT_KERNELS
+    released_before_output: str = ", gc=None"       # ChunkedStates' Γ_C, when the output pass does not read it
+
+    @property
+    def segment_decay_buffer(self) -> str:
+        """hd, the segments' decays D [N, G - 1, H, F] (None without a decay)."""
+        return "torch.empty(N, G - 1, H, F, **f32) if G > 1 else None" if self.decayed else "None"
+
     def rows_times(self, x: str, gam: str) -> str:
         """x [BT, BF] (rows t) times the per-token factor gam."""
         return x
@@ -88,6 +100,11 @@ class NoDecay:
             return ""
         return ("b_gam_C = b_gam_C_next\n# (the last chunk loads its own again: a slot of this sequence)\n"
                 f"{self.load_chunk_decay(i_slot, 'b_gam_C_next')}")
+
+    def output_scores(self) -> str:
+        """The output pass's (not vector decay's) P [BT, BT], the decayed causal scores of the queries b_q and the
+        keys b_kt [BF, BT] on m_causal, and b_qg, the queries that read the chunk-start state."""
+        return "b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)\nb_qg = b_q"
 
     def pair_decays(self) -> str:
         """The pairs' decay ratios Γ_t/Γ_s (s < t) as factors of whole [BT, BT] tiles: D in [t, s], D^T in [s, t]."""
@@ -280,6 +297,11 @@ class ScalarDecay(NoDecay):
     def beta_keys(self) -> str:
         return "# [BT, BF] diag(β) (K ⊙ Γ)\nb_y = b_k * (b_beta * b_gam)[:, None]"
 
+    def output_scores(self) -> str:
+        return ("b_P = chunked_dot(b_q, b_kt, DOT_PRECISION) * "
+                'tl.exp(tl.where(m_causal, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))\n'
+                "# [BT, BF] the queries read the chunk-start state through Γ_t\nb_qg = b_q * b_gam[:, None]")
+
     def pair_decays(self) -> str:
         return ("# [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]\n"
                 'b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))\n'
@@ -342,6 +364,9 @@ class VectorDecay(NoDecay):
     [B, T, H, K]."""
 
     kind: str = "vector"
+    output_pointers: str = "st.gc, "
+    output_blocks_kernel: str = " chunked_output_blocks_kernel"
+    released_before_output: str = ""
 
     @property
     def pair_macros(self) -> str:
@@ -376,6 +401,11 @@ class VectorDecay(NoDecay):
 
     def beta_keys(self) -> str:
         return "# [BT, BF] diag(β) (K ⊙ Γ)\nb_y = b_k * b_gam * b_beta[:, None]"
+
+    def output_scores(self) -> str:
+        # whole-tile decay ratios exp(G_t - G_s) per feature do not factor out of P's dot: the output pass
+        # takes a vector decay's chunks by their span (templates/chunked/output.py.jinja, output_blocks)
+        raise ValueError("vector decay: the output pass has no whole-chunk scores (see chunked/output.py.jinja)")
 
     def token_terms(self, x: str) -> str:
         return f"({x}).to(G_DTYPE)"
@@ -432,6 +462,7 @@ class AdditiveRule:
     # whether its state passes split a sequence into segments (kernel_lib.chunked_state_segments): a
     # segment's end state is D S + E of its start state S, D the diagonal of its decays
     segmented: bool = True
+    released_before_output: str = ""  # what ChunkedStates holds of the rule's prepare step that the output pass does not read
 
     @property
     def templates(self) -> str:
@@ -474,6 +505,10 @@ class AdditiveRule:
         """The token loop's (recurrent forward's) b_v [BV] that token i_tok writes into the decayed state b_h."""
         return ""
 
+    def contiguous_inputs(self) -> str:
+        """The backward's inputs of the rule's own, made contiguous (the launcher's q, k, v, g are already)."""
+        return ""
+
     def saved(self) -> str:
         """The chunked forward's `saved`, what it keeps for the backward (from its states st)."""
         return "saved = None"
@@ -504,6 +539,7 @@ class DeltaRule(AdditiveRule):
     dg_out_dtype: str = "tl.float32"
     values_note: str = " (chunked_states_kernel's U)"
     segmented: bool = False         # its segments' end states are M S + E, M a [K, K] product of (I - β k w^T)
+    released_before_output: str = ", w=None, ai=None"
 
     def state_values(self) -> str:
         return ("# [BT, BF] W, as stored\n"
@@ -531,6 +567,9 @@ class DeltaRule(AdditiveRule):
         return ("b_beta = tl.load(beta + i_tok).to(tl.float32)\n"
                 "# [BV] the delta rule's correction of v by what the decayed state already predicts\n"
                 "b_v = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))")
+
+    def contiguous_inputs(self) -> str:
+        return "beta = beta.contiguous()"
 
     def saved(self) -> str:
         # the rows of (I + A)^-1, where the backward's chunk divides the forward's (chunked_keeps_inverse)
@@ -606,6 +645,31 @@ class ScoreBias:
     def key_carry(self) -> str:
         """G at a key block's positions and at its last real key, carried into the query-tile functions."""
         return "b_ghk, b_glk, b_ghr, b_glr, " if self.biased else ""
+
+    @property
+    def grad_pointers(self) -> tuple[str, str]:
+        """The backward's dq and dk/dv kernels' pointers to the bias's gradient: dS's row sums and minus its column sums."""
+        return ("dgq, ", "dgk, ") if self.biased else ("", "")
+
+    @property
+    def fwd_params(self) -> tuple[str, ...]:
+        """The forward launcher's own parameters: a serving call's G pairs of the cache, in place of g."""
+        return ("g_pairs=None",) if self.biased else ()
+
+    @property
+    def append_pointers(self) -> str:
+        """The serving append's pointers to the new positions' G pairs (before the cache's)."""
+        return "g_new_hi, g_new_lo, " if self.biased else ""
+
+    @property
+    def append_constexprs(self) -> tuple[str, str]:
+        """The serving append's G lanes: the query heads GC (a dim) and their block BGC (a meta)."""
+        return (" GC: tl.constexpr,", " BGC: tl.constexpr,") if self.biased else ("", "")
+
+    @property
+    def new_decays(self) -> str:
+        """What a serving call hands its append: the new positions' log decays g, or nothing."""
+        return "g" if self.biased else "None"
 
 
 def bias_hook(decay: str) -> ScoreBias:

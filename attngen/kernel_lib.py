@@ -27,7 +27,8 @@ __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ce
            "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
-           "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "tile_descriptor", "tile_descriptors"]
+           "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
+           "softmax_segment_cumsum_kernel", "tile_descriptor", "tile_descriptors"]
 
 LOG2E = 1.4426950408889634
 
@@ -339,7 +340,8 @@ def tile_descriptors(rows, *xs):
 
 
 # --------------------------------------------------------------------------- softmax kernels
-# The softmax kernels that no spec changes: the merge of split-KV partials and the backward's preprocess.
+# The softmax kernels that no spec changes: the merge of split-KV partials, the backward's preprocess and,
+# for a scalar decay's score bias (forgetting attention), the cumsums of its log decays.
 
 
 @triton.jit
@@ -403,3 +405,66 @@ def softmax_bwd_preprocess_kernel(
     tl.store(delta + i_row, b_delta, mask=m_t)
     b_lse = tl.load(lse + i_row, mask=m_t, other=0.0).to(ACC)
     tl.store(lse2 + i_row, b_lse * 1.4426950408889634, mask=m_t)
+
+
+@triton.jit
+def softmax_segment_cumsum_kernel(
+    # pointers
+    x, out, cu_seqlens,
+    # dims
+    T, H: tl.constexpr,
+    # meta
+    BT: tl.constexpr, BH: tl.constexpr, FLOOR: tl.constexpr,
+):
+    """out = the inclusive cumsum of x [B, T, H] along each sequence of cu_seqlens (a batch row or a
+    packed sequence), in float64 from the sequence's first token: nothing crosses into another
+    sequence. One program per sequence and BH heads. FLOOR: x is a log decay, raised to the floor
+    where it is loaded."""
+    i_n, i_hb = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    o_h = i_hb * BH + tl.arange(0, BH)
+    m_h = o_h < H
+    # [BH] the sum over the sequence's tokens before the current block
+    b_carry = tl.zeros([BH], dtype=tl.float64)
+    for i_t in range(0, T_seq, BT):
+        o_t = i_t + tl.arange(0, BT)
+        m_th = (o_t < T_seq)[:, None] & m_h[None, :]
+        i_x = (bos + o_t)[:, None] * H + o_h[None, :]
+        # [BT, BH]
+        b_x = tl.load(x + i_x, mask=m_th, other=0.0).to(tl.float64)
+        if FLOOR:
+            b_x = floor_log_decay(b_x)
+        tl.store(out + i_x, tl.cumsum(b_x, 0) + b_carry[None, :], mask=m_th)
+        b_carry += tl.sum(b_x, 0)
+
+
+def softmax_segment_cumsum(x, cu_seqlens, floor):
+    """x [B, T, H] contiguous -> float64 [B, T, H]: the inclusive cumsum along T within each
+    sequence (each batch row, or each packed sequence of cu_seqlens); floor: x is a log decay,
+    raised to the log-decay floor first."""
+    x = x.contiguous()
+    B, T, H = x.shape
+    if cu_seqlens is None:
+        # a batch row is a sequence. (torch.cumsum along T of [B, T, H] scans the outer dim, one
+        # thread per (batch, head) walking T: 1.5 ms at B4 T8192 H16 on the H200, 4.4 of the 20.5
+        # ms of forgetting attention's training step; BENCHMARKS.md 2026-12-02)
+        cu_seqlens = torch.arange(0, B + 1, device=x.device, dtype=torch.int32) * T
+    out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
+    # one program per sequence and 4 heads walks its tokens in [BT, BH] tiles of 4096 elements
+    BH = min(4, pow2_ceil(H))
+    BT = min(1024, max(16, 4096 // BH))
+    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1, ceil_div(H, BH))](
+        x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
+    return out
+
+
+def softmax_decay_pairs(g, cu_seqlens, is_fp64):
+    """g [B, Tk, H] contiguous -> (g_hi, g_lo) [B, Tk, H]: G, the inclusive cumsum of the floored g
+    along each sequence in log2 units, as float32 g_hi = G rounded and g_lo = the remainder
+    (float64 inputs: G and 0)."""
+    gc = softmax_segment_cumsum(g, cu_seqlens, True) * LOG2E
+    if is_fp64:
+        return gc, torch.zeros_like(gc)
+    g_hi = gc.to(torch.float32)
+    return g_hi, (gc - g_hi.to(torch.float64)).to(torch.float32)

@@ -1198,7 +1198,6 @@ def chunked_bwd_du_local_kernel(
     b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_qt = b_qt * tl.rsqrt(tl.sum(b_qt * b_qt, 0) + 1e-06)[None, :]
     b_qt = b_qt * scale
-
     # [BT, BF] the queries of the state gradient
     tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q).to(qg.dtype.element_ty), mask=m_tf)
     # [BT, BT] P^T [s, t]
@@ -1509,7 +1508,6 @@ def chunked_bwd_wy_kernel(
     b_k_hat = b_k_phi * b_k_rn[:, None]
     # [BF, BT] the features transposed in registers
     b_kt = tl.trans(b_k_hat)
-
     # [BT, BF] K̂ and [BF, BT] Y^T, Y = diag(β) (K̂): the Y term of dT
     b_kg = b_k_hat
     b_yt = b_kt * b_beta[None, :]

@@ -30,9 +30,10 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (LOG2E, ceil_div, floor_log_decay, interpreted, packed_max_len, pow2_ceil, pow2_floor,
-                                softmax_bwd_preprocess_kernel, softmax_combine_kernel, softmax_kv_split_len,
-                                softmax_lse_dtype, softmax_scaled, tile_descriptors)
+from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor,
+                                softmax_bwd_preprocess_kernel, softmax_combine_kernel, softmax_decay_pairs,
+                                softmax_kv_split_len, softmax_lse_dtype, softmax_scaled, softmax_segment_cumsum,
+                                tile_descriptors)
 
 SPEC_NAME = "forgetting_attention"
 SPEC_HASH = "782b1e2a242bbd2b"
@@ -283,69 +284,6 @@ def softmax_launch(launch):
         raise ValueError(f"launch: expected {len(SoftmaxLaunch._fields)} ints ({', '.join(SoftmaxLaunch._fields)}), "
                          f"got {list(launch)!r}")
     return SoftmaxLaunch(*launch)
-
-
-@triton.jit
-def softmax_segment_cumsum_kernel(
-    # pointers
-    x, out, cu_seqlens,
-    # dims
-    T, H: tl.constexpr,
-    # meta
-    BT: tl.constexpr, BH: tl.constexpr, FLOOR: tl.constexpr,
-):
-    """out = the inclusive cumsum of x [B, T, H] along each sequence of cu_seqlens (a batch row or a
-    packed sequence), in float64 from the sequence's first token: nothing crosses into another
-    sequence. One program per sequence and BH heads. FLOOR: x is a log decay, raised to the floor
-    where it is loaded."""
-    i_n, i_hb = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    o_h = i_hb * BH + tl.arange(0, BH)
-    m_h = o_h < H
-    # [BH] the sum over the sequence's tokens before the current block
-    b_carry = tl.zeros([BH], dtype=tl.float64)
-    for i_t in range(0, T_seq, BT):
-        o_t = i_t + tl.arange(0, BT)
-        m_th = (o_t < T_seq)[:, None] & m_h[None, :]
-        i_x = (bos + o_t)[:, None] * H + o_h[None, :]
-        # [BT, BH]
-        b_x = tl.load(x + i_x, mask=m_th, other=0.0).to(tl.float64)
-        if FLOOR:
-            b_x = floor_log_decay(b_x)
-        tl.store(out + i_x, tl.cumsum(b_x, 0) + b_carry[None, :], mask=m_th)
-        b_carry += tl.sum(b_x, 0)
-
-
-def softmax_segment_cumsum(x, cu_seqlens, floor):
-    """x [B, T, H] contiguous -> float64 [B, T, H]: the inclusive cumsum along T within each
-    sequence (each batch row, or each packed sequence of cu_seqlens); floor: x is a log decay,
-    raised to the log-decay floor first."""
-    x = x.contiguous()
-    B, T, H = x.shape
-    if cu_seqlens is None:
-        # a batch row is a sequence. (torch.cumsum along T of [B, T, H] scans the outer dim, one
-        # thread per (batch, head) walking T: 1.5 ms at B4 T8192 H16 on the H200, 4.4 of the 20.5
-        # ms of forgetting attention's training step; BENCHMARKS.md 2026-12-02)
-        cu_seqlens = torch.arange(0, B + 1, device=x.device, dtype=torch.int32) * T
-    out = torch.empty(B, T, H, dtype=torch.float64, device=x.device)
-    # one program per sequence and 4 heads walks its tokens in [BT, BH] tiles of 4096 elements
-    BH = min(4, pow2_ceil(H))
-    BT = min(1024, max(16, 4096 // BH))
-    softmax_segment_cumsum_kernel[(cu_seqlens.numel() - 1, ceil_div(H, BH))](
-        x, out, cu_seqlens, T, H, BT=BT, BH=BH, FLOOR=floor, num_warps=4)
-    return out
-
-
-def softmax_decay_pairs(g, cu_seqlens, is_fp64):
-    """g [B, Tk, H] contiguous -> (g_hi, g_lo) [B, Tk, H]: G, the inclusive cumsum of the floored g
-    along each sequence in log2 units, as float32 g_hi = G rounded and g_lo = the remainder
-    (float64 inputs: G and 0)."""
-    gc = softmax_segment_cumsum(g, cu_seqlens, True) * LOG2E
-    if is_fp64:
-        return gc, torch.zeros_like(gc)
-    g_hi = gc.to(torch.float32)
-    return g_hi, (gc - g_hi.to(torch.float64)).to(torch.float32)
 
 
 def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, kv_lens=None, g_pairs=None):

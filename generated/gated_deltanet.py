@@ -804,7 +804,6 @@ def chunked_ut_kernel(
         b_gam = tl.exp(b_G.to(tl.float32))
         b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
         b_gam_C = tl.exp(b_GC.to(tl.float32))
-
         # [BT, BK] -> [BT, BF]
         b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
@@ -876,7 +875,6 @@ def chunked_wu_kernel(
     b_gam = tl.exp(b_G.to(tl.float32))
     b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
     b_gam_C = tl.exp(b_GC.to(tl.float32))
-
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]

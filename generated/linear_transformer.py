@@ -942,7 +942,6 @@ def chunked_bwd_du_local_kernel(
     b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
     b_qt = tl.where(m_f[:, None] & m_t[None, :], phi(b_qt), 0.0)
     b_qt = b_qt * scale
-
     # [BT, BF] the queries of the state gradient
     b_qg = b_q
     tl.store(qg + o_tok[:, None] * F + o_f[None, :], b_qg.to(qg.dtype.element_ty), mask=m_tf)

@@ -971,7 +971,6 @@ def chunked_bwd_du_local_kernel(
     b_q = tl.load(qg + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0).to(tl.float32)
     b_qt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
     b_k = tl.load(kr + o_tok[:, None] * F + o_f[None, :], mask=m_tf, other=0.0)
-
     # [BT, BF] the queries of the state gradient
     b_qg = b_q
     # [BF] their products with c (0 on padded tokens), for step 3's normalizer column
