@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import networkx as nx
 import torch
@@ -259,6 +260,13 @@ def knob(pass_: str, allowed: str, search: tuple[int, ...], backward: bool = Fal
 class Launch:
     """Base of the launch dataclasses: the checks, the op's list of ints, the knobs of a pass."""
 
+    # A kernel's tile and warps, which a search also moves together (every combination of their values):
+    # one knob moved alone can leave a tile its warps do not hold, spilling registers, where moving two or
+    # three at once does not (softmax_causal's dk/dv pass at B4 T8192 H16 D128 bf16: 64 x 64 at four
+    # warps, the table's, 255 registers and 164 bytes spilled; 128 x 32 at eight, 253 and none; ptxas on
+    # the CPU, BENCHMARKS.md 2026-12-04, twelfth run)
+    TILES: ClassVar[tuple[tuple[str, ...], ...]] = ()
+
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -277,6 +285,12 @@ class Launch:
     def knobs(cls, pass_: str | None = None) -> tuple[str, ...]:
         """The knobs' names in field order: all, or those of one pass (fwd | bwd)."""
         return tuple(f.name for f in dataclasses.fields(cls) if pass_ in (None, f.metadata["pass"]))
+
+    @classmethod
+    def tiles(cls, pass_: str) -> tuple[tuple[str, ...], ...]:
+        """The knob groups (TILES) a search moves together in a pass: those all of whose knobs it moves there."""
+        names = set(cls.searched(pass_))
+        return tuple(group for group in cls.TILES if names.issuperset(group))
 
     @classmethod
     def searched(cls, pass_: str) -> tuple[str, ...]:
@@ -314,6 +328,9 @@ class ChunkedLaunch(Launch):
     bwd_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the backward's recomputed state pass
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
+    TILES = (("BV", "prepare_warps"), ("states_BV", "states_warps"), ("output_BV", "output_warps"),
+             ("bwd_wy_BV", "bwd_wy_warps"))
+
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxLaunch(Launch):
@@ -337,6 +354,8 @@ class SoftmaxLaunch(Launch):
     dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
     dkdv_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dk/dv pass
     dkdv_tma: int = knob("bwd", "flag", (0, 1))  # the dk/dv pass's query and output-gradient tiles by the copy engine
+
+    TILES = (("BM", "BN", "warps"), ("dq_BM", "dq_BN", "dq_warps"), ("dkdv_BN", "dkdv_BM", "dkdv_warps"))
 
 
 # The kernel families with launch knobs, by the name tables and `attngen tune` give them.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -486,7 +487,8 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
            seeds: tuple[planner.Launch, ...] = ()) -> Found:
     """The fastest launch found from `default` by coordinate descent: per pass, each of its knobs in
     turn takes each of its search values (planner knob metadata, fitted to the call) with the
-    others at the best so far, for up to `rounds` rounds while one improves. measure(launch, pass)
+    others at the best so far, then each kernel's tile and warps (the launch class's TILES) every
+    combination of theirs together, for up to `rounds` rounds while one improves. measure(launch, pass)
     -> milliseconds; an exception (a launch that does not compile, runs out of shared memory or
     gives other outputs) skips that launch, reported; one that loses the CUDA context (CONTEXT_LOST)
     stops the search with a RuntimeError. budget_s: seconds of search, shared by the passes (each
@@ -533,31 +535,35 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
                 ms = trial(seed, pass_, f"{pass_} [from the table]")
                 if ms < best_ms[pass_]:
                     best, best_ms[pass_] = seed, ms
-        todo = sum(len(cls.__dataclass_fields__[n].metadata["search"]) for n in names)
+        values_of = lambda name: cls.__dataclass_fields__[name].metadata["search"]  # noqa: E731
+        # each knob alone, then each kernel's tile and warps together (planner.Launch.TILES): a move of one
+        # alone can leave a tile its warps do not hold
+        moves = [(name,) for name in names] + list(cls.tiles(pass_))
+        todo = sum(math.prod(len(values_of(n)) for n in move) for move in moves)
         for round_ in range(1, rounds + 1):
             improved, done = False, 0
-            for name in names:
+            for move in moves:
                 if time.monotonic() > deadline:
                     break
-                values = cls.__dataclass_fields__[name].metadata["search"]
-                # the knob's values with the others at the best so far: they do not depend on
-                # one another's times, so prepare() takes them all at once. A knob started is
+                # the move's values with the others at the best so far: they do not depend on
+                # one another's times, so prepare() takes them all at once. A move started is
                 # finished: its compilation (prepare) is most of its cost, and where that alone outlasts
                 # the share (K = V = 256), stopping before its launches are timed would leave the
                 # first knobs untried (gated_deltanet B2 T8192 K = V = 256: 32-token chunks, 2.5x the
                 # forward's speed, never timed in a budget of 20 s; BENCHMARKS.md 2026-12-04, tenth run)
-                candidates = {value: fit(dataclasses.replace(best, **{name: value})) for value in values}
+                candidates = [fit(dataclasses.replace(best, **dict(zip(move, values))))
+                              for values in itertools.product(*map(values_of, move))]
                 if prepare is not None:
-                    new = list(dict.fromkeys(c for c in candidates.values() if c not in seen))
+                    new = list(dict.fromkeys(c for c in candidates if c not in seen))
                     if new:
                         prepare(new, pass_)
-                for value in values:
+                label = "" if len(move) == 1 else ", " + "+".join(move)
+                for candidate in candidates:
                     done += 1
-                    candidate = candidates[value]
                     if candidate in seen:
                         continue
                     seen.add(candidate)
-                    ms = trial(candidate, pass_, f"{pass_} round {round_} [{done}/{todo}]")
+                    ms = trial(candidate, pass_, f"{pass_} round {round_} [{done}/{todo}{label}]")
                     if ms < best_ms[pass_]:
                         best, best_ms[pass_], improved = candidate, ms, True
             if not improved or time.monotonic() > deadline:

@@ -1,8 +1,8 @@
 """Compile a spec's Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report each
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
-    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--group 1] [--bwd]
-        [--launch "knob=value,..."] [--ptx DIR]
+    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
+        [--h200] [--launch "knob=value,..."] [--ptx DIR]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -13,7 +13,10 @@ planner fitted its launch (bench/probe_launch.py's variants: its clamps bypassed
 refitted), e.g. to see the registers and spills of a launch before it is timed on the GPU.
 --ptx DIR writes each kernel's PTX there (its debug sections and line records cut: they name the
 source lines), so that two versions of the templates can be held to the same code (`diff -r`)
-where a change should leave a kernel as it was.
+where a change should leave a kernel as it was. --h200 takes the launches a call of these sizes takes on
+an H200: the shipped table's entry (or its nearest bucket's) and the planner's fill of 132
+multiprocessors, not the CPU's defaults; with --B 4 --H 16 --T 8192 those of the benchmark shape,
+whose registers and spills say which tuned kernels spill (the launch is printed).
 """
 from __future__ import annotations
 
@@ -74,6 +77,10 @@ def main():
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--T", type=int, default=63)
     p.add_argument("--D", type=int, default=128)
+    p.add_argument("--B", type=int, default=1, help="sequences")
+    p.add_argument("--H", type=int, default=2, help="heads (linear specs: query / key heads)")
+    p.add_argument("--h200", action="store_true",
+                   help="the launches of an H200: its shipped table's and 132 multiprocessors")
     p.add_argument("--group", type=int, default=1,
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
@@ -105,10 +112,24 @@ def main():
     os.environ["ATTNGEN_BACKEND"] = "triton"
     attngen.runtime._use_kernels = lambda spec, q: True   # the kernels, on CPU tensors, without the interpreter
 
+    if args.h200:
+        # the runtime's lookup as on an H200 (attngen.tuning.choose): its machine, its multiprocessors
+        from attngen import tuning
+        tuning.machine = lambda device: tuning.Machine("NVIDIA H200", "9.0", triton.__version__)
+        tuning.multiprocessors = lambda device: 132
+        tuning._remembered.cache_clear()
+        chosen = tuning.choose
+
+        def choose(spec, family, call, dtype, device, chunk=None):
+            result = chosen(spec, family, call, dtype, device, chunk)
+            print(f"{family} launch, {result.source}: {result.launch}")
+            return result
+        tuning.choose = choose
+
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]
-    shape = Shape(batch=1, q_len=args.T, heads=2, head_dim=args.D, value_dim=args.D,
-                  value_heads=2 * args.group if op.spec.is_linear else None)
+    shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D,
+                  value_heads=args.H * args.group if op.spec.is_linear else None)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape, seed=0).items()}
     if args.bwd:
         for t in inputs.values():
@@ -121,7 +142,7 @@ def main():
     total = time.perf_counter() - t0
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    print(f"{op.spec.name} {args.dtype} T={args.T} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
+    print(f"{op.spec.name} {args.dtype} B={args.B} T={args.T} H={args.H} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
     if args.ptx:
         Path(args.ptx).mkdir(parents=True, exist_ok=True)

@@ -559,6 +559,40 @@ def test_search_descends_knob_by_knob_and_skips_failures():
     assert len(measured) == len(set(measured)), "a launch was timed twice"
 
 
+def test_search_moves_a_kernels_tile_and_warps_together(monkeypatch):
+    """The dk/dv pass's fastest launch is 128 x 32 at eight warps, three knobs from the default, and every
+    move of one knob alone is slower (a tile its warps do not hold spills): coordinate descent alone stops
+    at the default; the search's joint move of the pass's tile and warps (SoftmaxLaunch.TILES) finds it,
+    each launch timed once and prepared with the tile's others before it is timed."""
+    call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
+    start = planner.softmax_launch(call, torch.bfloat16, 132)
+    start = dataclasses.replace(start, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4)
+    fit = lambda launch: planner.fit_launch("softmax", None, call, torch.bfloat16, launch)  # noqa: E731
+    timed, prepared = [], set()
+
+    def measure(launch, pass_):
+        timed.append((launch, pass_))
+        if pass_ == "fwd":
+            return 1.0
+        tile = (launch.dkdv_BN, launch.dkdv_BM, launch.dkdv_warps)
+        return {(64, 64, 4): 10.0, (128, 32, 8): 7.0}.get(tile, 12.0)
+
+    def prepare(launches, pass_):
+        prepared.update((launch, pass_) for launch in launches)
+
+    assert ("dkdv_BN", "dkdv_BM", "dkdv_warps") in planner.SoftmaxLaunch.tiles("bwd")
+    assert planner.SoftmaxLaunch.tiles("fwd") == (("BM", "BN", "warps"),)
+    found = tuning.search(start, fit, measure, report=lambda line: None, prepare=prepare)
+    assert (found.best.dkdv_BN, found.best.dkdv_BM, found.best.dkdv_warps) == (128, 32, 8)
+    assert found.best_ms["bwd"] == 7.0 and found.default_ms["bwd"] == 10.0
+    assert len(timed) == len(set(timed)), "a launch was timed twice"
+    firsts = {next(t for t in timed if t[1] == p) for p in ("fwd", "bwd")}
+    assert all(t in prepared for t in timed if t not in firsts and t[0] != found.best), "timed unprepared"
+    # without the joint moves the same timer leaves the default standing: no single knob's move gains
+    monkeypatch.setattr(planner.SoftmaxLaunch, "TILES", ())
+    assert tuning.search(start, fit, measure, report=lambda line: None).best == start
+
+
 def test_search_prepares_each_knobs_launches_together_before_timing_them():
     """prepare() (tune's side-by-side compilation) receives a knob's untried launches at once,
     before any of them is timed, each launch once; the search finds what it finds without it."""
