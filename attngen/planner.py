@@ -266,6 +266,8 @@ class Launch:
     # warps, the table's, 255 registers and 164 bytes spilled; 128 x 32 at eight, 253 and none; ptxas on
     # the CPU, BENCHMARKS.md 2026-12-04, twelfth run)
     TILES: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    # Knobs a table entry written before them may lack, each with the knob whose value it then takes
+    INHERITED: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -318,7 +320,9 @@ class ChunkedLaunch(Launch):
     output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
-    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's own kernels
+    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's steps 2 and 3 (its dU step and state-gradient pass)
+    bwd_dq_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dq step (chunked_bwd_dq_kernel)
+    bwd_dk_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of its dk step (chunked_bwd_dk_kernel)
     bwd_wy_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
     bwd_wu_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of W, U0 and the keys from the forward's (I + A)^-1 where the backward reuses it (its chunk divides the forward's)
     bwd_states_BV: int = knob("bwd", "block", (16, 32, 64, 128))  # value lanes per program of the backward's sequential state-gradient pass
@@ -329,7 +333,10 @@ class ChunkedLaunch(Launch):
     bwd_ds_stages: int = knob("bwd", "stages", (1, 2, 3))  # the backward's state-gradient pass
 
     TILES = (("BV", "prepare_warps"), ("states_BV", "states_warps"), ("output_BV", "output_warps"),
-             ("bwd_wy_BV", "bwd_wy_warps"))
+             ("bwd_dq_BV", "bwd_dq_warps"), ("bwd_dk_BV", "bwd_dk_warps"), ("bwd_wy_BV", "bwd_wy_warps"))
+    # Knobs added since tables were first written, and the knob whose value an entry without them takes (the
+    # launch it was timed with): bwd_warps launched the dq and dk steps too
+    INHERITED: ClassVar[dict[str, str]] = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,6 +530,8 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         maxnreg=MAXNREG,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
+        bwd_dq_warps=4,
+        bwd_dk_warps=4,
         bwd_wy_warps=bwd_wy_warps,
         bwd_wu_warps=bwd_wu_warps,
         bwd_states_BV=BV,
@@ -558,7 +567,8 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # and four warps.
         if spec.update == "delta" and spec.decay != "vector" and max(launch.prepare_warps, launch.wu_warps) >= 4:
             fwd_chunk = min(fwd_chunk, 32)
-        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_wy_warps, launch.bwd_wu_warps) >= 4:
+        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_dq_warps, launch.bwd_dk_warps,
+                                          launch.bwd_wy_warps, launch.bwd_wu_warps) >= 4:
             bwd_chunk = min(bwd_chunk, 32)
     output_BV = launch.output_BV
     if dtype == torch.bfloat16 and spec.normalize == "sum":

@@ -1067,7 +1067,7 @@ def chunked_dims(q, v, omega):
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
     "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
-    "bwd_chunk bwd_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
+    "bwd_chunk bwd_warps bwd_dq_warps bwd_dk_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
 
@@ -1792,7 +1792,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgc = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_dq_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
-        x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV),
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps),
     )
     # h_c has no reader past step 4a (4b reads dS and U, and 4a's chunk term): its memory goes back before 4b allocates
     st = st._replace(h=None)
@@ -1800,7 +1800,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dk_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, ds, dgc, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV),
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV, num_warps=launch.bwd_dk_warps),
     )
     # nor dS and U past step 4
     del ds

@@ -77,7 +77,7 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
         bwd_dk_BV=128, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
     # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV)
     assert (default(call, spec=KDA).bwd_dk_BV, default(call, spec=MAMBA2).bwd_dq_BV) == (128, 32)
@@ -100,7 +100,7 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
+        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
         bwd_dk_BV=32, bwd_wy_BV=32, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
@@ -249,6 +249,29 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
     assert all(last[n] == value for n, value in knobs.items()), last
     assert any(first[n] != value for n, value in knobs.items())
     assert rel_error(got, want) < 1e-5
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2"])
+def test_the_backward_steps_take_their_own_warps(name, monkeypatch):
+    """bwd_warps launches the backward's dU step and state-gradient pass, bwd_dq_warps its dq step and
+    bwd_dk_warps its dk step, each at its own; the gradients are the same at any warps."""
+    op = attngen.load(SPECS / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=70, heads=2, head_dim=16, value_dim=24), dtype=torch.float32,
+                           initial_state=False)
+    form, ints = kernel_launch(op, inputs)
+    base = planner.ChunkedLaunch(*ints)
+    other = dataclasses.replace(base, bwd_warps=2, bwd_dq_warps=8, bwd_dk_warps=4)
+    kernels = ["chunked_bwd_du_local_kernel", "chunked_bwd_states_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"]
+    launches = spy_launches(monkeypatch, module, kernels)
+    want = linear_grads(module, inputs, form, base)
+    launches.clear()
+    got = linear_grads(module, inputs, form, other)
+    warps = {name: kw["num_warps"] for name, _, kw in launches}
+    assert warps == {"chunked_bwd_du_local_kernel": 2, "chunked_bwd_states_kernel": 2, "chunked_bwd_dq_kernel": 8,
+                     "chunked_bwd_dk_kernel": 4}, warps
+    assert all(rel_error(g, w) < 1e-5 for g, w in zip(got, want))
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -490,6 +513,24 @@ def test_entries_of_another_versions_knobs_are_ignored_with_a_warning():
     # the call's bucket is a miss now: the nearest bucket, the entry left, with the miss's warning
     assert any("using the nearest tuned bucket" in m for m in messages), messages
     assert chosen.launch == resolve(other).launch == tuned
+
+
+def test_an_entry_written_before_the_dq_and_dk_steps_had_warps_of_their_own_keeps_its_launch():
+    """bwd_dq_warps and bwd_dk_warps came after tables were written, when bwd_warps launched those steps
+    too (planner.ChunkedLaunch.INHERITED): an entry without them reads with each equal to its bwd_warps,
+    the launch it was timed with, and is not stale; one that lacks another knob still is."""
+    call = linear_call()
+    tuned = dataclasses.replace(default(call), bwd_warps=8, bwd_dq_warps=8, bwd_dk_warps=8)
+    path = tuning.record([entry(call, tuned)], FAKE)
+    data = json.loads(path.read_text())
+    for knob in ("bwd_dq_warps", "bwd_dk_warps"):
+        del data["entries"][0]["launch"][knob]
+    path.write_text(json.dumps(data))
+    table = tuning.read_table(path)
+    assert (table.stale, table.entries[0].launch) == (0, tuned)
+    del data["entries"][0]["launch"]["bwd_wy_warps"]
+    path.write_text(json.dumps(data))
+    assert tuning.read_table(path).stale == 1
 
 
 @pytest.mark.parametrize("text, error", [
