@@ -1,8 +1,8 @@
-"""What an update rule and a decay put into the chunked kernels and the token loop (the recurrent
-form), and a softmax mask and score bias into the softmax kernels: one small object each, which the
-planner picks for a spec (planner.kernel_spec: KernelSpec.rule_hook, decay_hook, mask_hook, bias_hook)
-and the templates call in place of branching on the rule, the decay, the mask or the bias (DESIGN.md
-§5's hooks).
+"""What an update rule, a decay and a feature map put into the chunked kernels and the token loop (the
+recurrent form), and a softmax mask and score bias into the softmax kernels: one small object each, which
+the planner picks for a spec (planner.kernel_spec: KernelSpec.rule_hook, decay_hook, feature_hook,
+mask_hook, bias_hook) and the templates call in place of branching on the rule, the decay, the map, the
+mask or the bias (DESIGN.md §5's hooks).
 
 Each method returns a Triton fragment, an expression or lines of code as the generated kernels
 spell them, in the names the templates define: b_gam, b_gam_rest [BT] (scalar decay) or
@@ -670,6 +670,35 @@ class ScoreBias:
     def new_decays(self) -> str:
         """What a serving call hands its append: the new positions' log decays g, or nothing."""
         return "g" if self.biased else "None"
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureMap:
+    """A linear spec's feature map as the kernels apply it to q and k (before the l2 norm, which any map may be
+    followed by): identity; elementwise, phi and its derivative the module's @triton.jit functions (elu+1, relu,
+    an expression); favor_plus, Performer's random features exp(omega x' - |x'|^2 / 2) / sqrt(F), computed by dots
+    from omega (loaded once per program). Its pieces are the macros of templates/features/<kind>.jinja."""
+
+    kind: str = "identity"
+
+    @property
+    def macros(self) -> str:
+        """The template of its pieces (the map of a row, a tile and a transposed tile, omega's loads, and their
+        backward), which macros.jinja imports as `fmap`."""
+        return f"features/{self.kind}.jinja"
+
+    @property
+    def features_by_dot(self) -> bool:
+        """Whether a tile's features are a dot's result (FAVOR+): Triton 3.4-3.7 miscompile a tl.trans of one on
+        Hopper, so a kernel that needs them transposed loads the raw tile transposed and maps it again."""
+        return self.kind == "favor_plus"
+
+
+def feature_hook(feature: str) -> FeatureMap:
+    """The hook of a linear spec's feature map as the kernels see it: identity | elementwise | favor_plus."""
+    if feature not in ("identity", "elementwise", "favor_plus"):
+        raise ValueError(f"feature: {feature!r} is not allowed; allowed: identity, elementwise, favor_plus")
+    return FeatureMap(feature)
 
 
 def bias_hook(decay: str) -> ScoreBias:

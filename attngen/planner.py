@@ -874,6 +874,7 @@ class KernelSpec:
     states_decay_ahead: bool        # the forward's state pass loads each chunk's Γ_C an iteration ahead (states_decay_ahead)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
+    feature_hook: hooks.FeatureMap  # the feature map's (identity for softmax specs)
     mask_hook: hooks.Mask | None    # a softmax spec's mask, as a tile on its edge applies it (softmax specs)
     bias_hook: hooks.ScoreBias | None  # a softmax spec's bias on the scores (softmax specs)
 
@@ -985,6 +986,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
         states_decay_ahead=states_decay_ahead(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
+        feature_hook=hooks.feature_hook(feature),
         mask_hook=None if spec.is_linear else hooks.mask_hook(spec.mask, spec.window or 0),
         bias_hook=None if spec.is_linear else hooks.bias_hook(spec.decay),
         launch_knobs=tuple((p, LAUNCHES[family].knobs(p)) for p in ("fwd", "bwd")) if family else ())

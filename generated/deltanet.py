@@ -726,7 +726,6 @@ def chunked_ut_kernel(
         # [BT, BK] -> [BT, BF]
         b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
         # [BT, BF] the keys of the state update
         tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
         # [BT] (0 on padded tokens)
@@ -788,7 +787,6 @@ def chunked_wu_kernel(
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
     # [BT, BF] the keys of the state update
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
     # [BT] (0 on padded tokens)

@@ -851,7 +851,6 @@ def chunked_ut_kernel(
         # [BT, BK] -> [BT, BF]
         b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
-
         # [BT, BF] the keys of the state update, K ⊙ Γ_C/Γ, and Γ_C [BF] (slot i_s)
         tl.store(kr + o_tok[:, None] * F + o_f[None, :], (b_k * b_gam_rest).to(kr.dtype.element_ty), mask=m_tf)
         tl.store(gc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_gam_C, mask=m_f)

@@ -510,7 +510,6 @@ def chunked_keys_kernel(
     # [BT, BK] -> [BT, BF]
     b_k = tl.load(k + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_k = tl.where(m_t[:, None] & m_f[None, :], phi(b_k), 0.0)
-
     # [BT, BF] the keys of the state update
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
 
@@ -1217,7 +1216,6 @@ def chunked_bwd_dk_kernel(
     # [BT, BF] dk̂ = dk̂' + dk̂" and the pair s = t -> the gradient of the raw keys
     b_dk = b_dk + b_dki + b_dd[:, None] * b_qs
     b_dk = tl.where(m_t[:, None] & m_f[None, :], b_dk * phi_grad(b_k), 0.0)
-
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 

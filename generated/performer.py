@@ -536,7 +536,6 @@ def chunked_keys_kernel(
     b_k = b_k * x_scale
     b_k = favor_exponent_tile(b_k, b_omega_t, DOT_PRECISION)
     b_k = tl.where(m_t[:, None] & m_f[None, :], tl.exp(b_k) * f_scale, 0.0)
-
     # [BT, BF] the keys of the state update
     tl.store(kr + o_tok[:, None] * F + o_f[None, :], b_k.to(kr.dtype.element_ty), mask=m_tf)
 
@@ -1249,7 +1248,6 @@ def chunked_bwd_dk_kernel(
     # FAVOR+: d phi_m / d x' = phi_m (omega_m - x'), x' = x K^-1/4
     b_dk = b_dk * b_k_phi
     b_dk = favor_grad_tile(b_dk, b_omega, b_k_xs, DOT_PRECISION) * x_scale
-
     tl.store(dk + o_tok[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 

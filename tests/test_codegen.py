@@ -195,8 +195,8 @@ def test_the_chunk_term_in_the_dq_step():
 
 
 def test_hooks_of_every_rule_and_decay():
-    """planner.kernel_spec fills the update rule's, the decay's and (softmax) the mask's and the score bias's hook
-    objects (attngen/hooks.py) the templates take their fragments from; an unknown one is a clear error."""
+    """planner.kernel_spec fills the update rule's, the decay's, the feature map's and (softmax) the mask's and the
+    score bias's hook objects (attngen/hooks.py) the templates take their fragments from; an unknown one is a clear error."""
     from attngen import hooks
 
     for path in SPECS:
@@ -206,6 +206,14 @@ def test_hooks_of_every_rule_and_decay():
         assert (ks.rule_hook.name == spec.update) if spec.is_linear else ks.rule_hook is None
         assert ks.mask_hook is None if spec.is_linear else (ks.mask_hook.kind, ks.mask_hook.window) == (
             spec.mask, spec.window or 0)
+        assert ks.feature_hook.kind == ks.feature and ks.feature_hook.features_by_dot == (spec.feature_map == "favor_plus")
+    # a feature map's pieces: one template per map kind, the same macros (identity's and FAVOR+'s projections empty
+    # where they have none)
+    maps = [(ROOT / "attngen" / "templates" / hooks.feature_hook(f).macros).read_text()
+            for f in ("identity", "elementwise", "favor_plus")]
+    assert len({tuple(sorted(re.findall(r"{% macro (\w+)\(", text))) for text in maps}) == 1
+    with pytest.raises(ValueError, match="feature: 'relu' is not allowed; allowed: identity, elementwise, favor_plus"):
+        hooks.feature_hook("relu")
     # a softmax mask on a tile's edge (FlexAttention's mask_mod): the allowed pairs, with the keys' bound
     assert hooks.mask_hook("causal").tile_mask("k", "q", valid="m") == "m & (k <= q)"
     assert hooks.mask_hook("causal").tile_mask("k", "q") == "k <= q"

@@ -47,3 +47,15 @@ def test_running_a_form_loads_no_oracle():
                          env={"ATTNGEN_BACKEND": "torch", "PATH": ""}, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_package_ships_every_template_and_table():
+    """pyproject.toml's package-data globs cover every template and table under attngen/templates and attngen/tables: a
+    template folder left out works from a checkout (and an editable install) but not from a wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["attngen"]
+    package = root / "attngen"
+    shipped = {path for pattern in globs for path in package.glob(pattern)}
+    files = {*(package / "templates").rglob("*.jinja"), *(package / "tables").glob("*.json")}
+    assert files - shipped == set(), f"not in pyproject.toml's package-data: {sorted(map(str, files - shipped))}"
