@@ -1040,19 +1040,19 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
                       + (", the queries' features for the steps after it" if stored else "") + in_span), *blocks)
-    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel: dU = P^T dO inside the chunk, Q ⊙ Γ"
+    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel, at the launch's bwd_warps: dU = P^T dO inside the chunk, Q ⊙ Γ"
                   + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
                                                          if stored else "")),
-                 ("chunked_bwd_states_kernel", "sequential over chunks, one dot on the critical path: dS per chunk"
+                 ("chunked_bwd_states_kernel", "sequential over chunks at bwd_warps, one dot on the critical path: dS per chunk"
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")
                   + (", the normalizer column's dz" if norm else "")
                   + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "")))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
-    backward += (("chunked_bwd_dq_kernel", "chunk-parallel: dO h_c^T and dP = dO U^T -> dq"
+    backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"
                   + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS" if decayed else "")
                   + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
-    backward += (("chunked_bwd_dk_kernel", "chunk-parallel: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
+    backward += (("chunked_bwd_dk_kernel", "chunk-parallel, at bwd_dk_warps: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
                   + (", the decay gradient" if decayed else "") + step4),)
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
