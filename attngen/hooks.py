@@ -16,6 +16,7 @@ too stays a macro of the templates (macros.jinja, the rule's folder).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +57,13 @@ class NoDecay:
     # The chunked forward's host code: what its output pass reads of the decay (vector decay: Γ_C, whose
     # span picks each chunk's kernel, and a second kernel for the chunks by 16-token blocks) and the
     # buffer of the state passes' segment decays D.
-    output_pointers: str = ""                       # the output kernels' Γ_C argument
-    output_blocks_kernel: str = ""                  # the second output kernel, in CHUNKED_OUTPUT_KERNELS
-    released_before_output: str = ", gc=None"       # ChunkedStates' Γ_C, when the output pass does not read it
+    output_pointers: ClassVar[str] = ""             # the output kernels' Γ_C argument
+    output_blocks_kernel: ClassVar[str] = ""        # the second output kernel, in CHUNKED_OUTPUT_KERNELS
+
+    @property
+    def released_before_output(self) -> str:
+        """ChunkedStates' Γ_C freed before the output pass, where that pass does not read it."""
+        return "" if self.output_pointers else ", gc=None"
 
     @property
     def segment_decay_buffer(self) -> str:
@@ -364,9 +369,8 @@ class VectorDecay(NoDecay):
     [B, T, H, K]."""
 
     kind: str = "vector"
-    output_pointers: str = "st.gc, "
-    output_blocks_kernel: str = " chunked_output_blocks_kernel"
-    released_before_output: str = ""
+    output_pointers: ClassVar[str] = "st.gc, "
+    output_blocks_kernel: ClassVar[str] = " chunked_output_blocks_kernel"
 
     @property
     def pair_macros(self) -> str:
@@ -662,9 +666,10 @@ class ScoreBias:
         return "g_new_hi, g_new_lo, " if self.biased else ""
 
     @property
-    def append_constexprs(self) -> tuple[str, str]:
-        """The serving append's G lanes: the query heads GC (a dim) and their block BGC (a meta)."""
-        return (" GC: tl.constexpr,", " BGC: tl.constexpr,") if self.biased else ("", "")
+    def append_lanes(self) -> tuple[str, ...]:
+        """The serving append's lanes of its own beside the keys' KC and values' VC (each a constexpr dim X with a
+        block BX): G's, GC = the query heads."""
+        return ("GC",) if self.biased else ()
 
     @property
     def new_decays(self) -> str:

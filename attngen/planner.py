@@ -336,7 +336,7 @@ class ChunkedLaunch(Launch):
              ("bwd_dq_BV", "bwd_dq_warps"), ("bwd_dk_BV", "bwd_dk_warps"), ("bwd_wy_BV", "bwd_wy_warps"))
     # Knobs added since tables were first written, and the knob whose value an entry without them takes (the
     # launch it was timed with): bwd_warps launched the dq and dk steps too
-    INHERITED: ClassVar[dict[str, str]] = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps"}
+    INHERITED = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps"}
 
 
 @dataclasses.dataclass(frozen=True)
