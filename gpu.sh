@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU run: the benchmarks against the baselines, then tests/gpu (compiled Triton
 # kernels against the interpreter: forward, gradients, training). On the device:
-#   bash gpu.sh [pytest targets and args, default tests/gpu | smoke]
+#   bash gpu.sh [pytest targets and args, default tests/gpu | smoke | shipped]
 # The whole of tests/gpu takes longer than one 10-minute device call: give the forward file in
 # one call and the backward and training files in the next (GPU_BENCH= skips the benchmark).
 # Carry .whl with the fla-core wheel for the baselines. GPU_BENCH picks the benchmark passes, timed in
@@ -35,6 +35,14 @@ if [ -n "${GPU_BENCH-fwd,bwd}" ]; then
   timeout "${GPU_BENCH_S:-360}" python3 bench/bench.py --passes "${GPU_BENCH-fwd,bwd}" --profile ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
   echo "bench exit $?"; grep -v -i -e warn -e "rows = bench" "$OUT/bench.txt" | tail -c 7000
   save_autotune
+fi
+# `bash gpu.sh shipped`: `attngen bench` on every shipped spec, forward and forward + backward in one process
+# (issue 10's table; GPU_BENCH_S limits it), then nothing else
+if [ "${1-}" = shipped ]; then
+  timeout "${GPU_BENCH_S:-360}" python3 -m attngen.cli bench specs/*.yaml --passes fwd,bwd > "$OUT/bench_shipped.txt" 2>&1
+  echo "attngen bench exit $?"; grep -v -i -e warn "$OUT/bench_shipped.txt" | tail -c 9000
+  save_autotune
+  exit 0
 fi
 [ $# -gt 0 ] || set -- tests/gpu
 # `bash gpu.sh smoke`: every spec at one shape, outputs (three dtypes) and bf16 gradients, a few minutes;

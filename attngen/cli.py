@@ -215,6 +215,14 @@ def _baselines(text: str) -> tuple[str, ...]:
     return tuple(n for n in names if n != "none")
 
 
+def _passes(text: str) -> tuple[bool, ...]:
+    """fwd, bwd or both (comma-separated, in that order of timing) as bench.run's backward flags."""
+    names = [n for n in text.split(",") if n]
+    if not names or any(n not in ("fwd", "bwd") for n in names) or len(set(names)) < len(names):
+        raise argparse.ArgumentTypeError(f"expected fwd, bwd or fwd,bwd, got {text!r}")
+    return tuple(n == "bwd" for n in names)
+
+
 def _specs(paths):
     """Every spec loaded before any work starts: a bad one is an error naming it."""
     from .spec import load_spec
@@ -268,7 +276,8 @@ def cmd_bench(args) -> int:
     # for 20-155 s on its first call): a second run times their best configurations at once
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     report = lambda line: print(line, flush=True)  # noqa: E731
-    rows = bench.run(specs, shapes, getattr(torch, args.dtype), device, (args.bwd,), args.vs, report=report,
+    passes = args.passes or (args.bwd,)
+    rows = bench.run(specs, shapes, getattr(torch, args.dtype), device, passes, args.vs, report=report,
                      profile_kernels=args.profile)
     if args.plot:
         bench.plot(rows, args.plot)
@@ -328,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs", type=_baselines, default="fla,sdpa,flex",
                    help="baselines, comma-separated: fla, sdpa, flex, or none (default: all that apply)")
     p.add_argument("--dtype", choices=tune_dtypes, default="bfloat16")
-    p.add_argument("--bwd", action="store_true", help="time forward + backward (default: forward)")
+    passes = p.add_mutually_exclusive_group()
+    passes.add_argument("--bwd", action="store_true", help="time forward + backward (default: forward)")
+    passes.add_argument("--passes", type=_passes, default=None, metavar="fwd,bwd",
+                        help="fwd, bwd (forward + backward) or both in one process: the baselines compile and "
+                             "autotune once")
     p.add_argument("--profile", action="store_true", help="each implementation's GPU kernels and their time under its row")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="draw time against sequence length (one shape given: T from 1K to 128K at its B*T)")

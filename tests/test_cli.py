@@ -180,6 +180,10 @@ def test_tune_missing_skips_the_shapes_in_the_table(monkeypatch, tmp_path, capsy
     (["bench", "specs/gla.yaml", "--vs", "fla,xformers"], "argument --vs: xformers is not a baseline; allowed: fla, "
                                                           "sdpa, flex"),
     (["bench", "specs/gla.yaml", "--shapes", "1,8,6,4,4,8,4"], "H_kv = 4 must divide H = 6"),
+    (["bench", "specs/gla.yaml", "--passes", "fwd,back"], "argument --passes: expected fwd, bwd or fwd,bwd, got "
+                                                          "'fwd,back'"),
+    (["bench", "specs/gla.yaml", "--passes", "fwd,fwd"], "argument --passes: expected fwd, bwd or fwd,bwd"),
+    (["bench", "specs/gla.yaml", "--passes", "fwd", "--bwd"], "argument --bwd: not allowed with argument --passes"),
 ])
 def test_tune_and_bench_argument_errors(argv, error, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -229,3 +233,18 @@ def test_bench_on_the_interpreter(tmp_path):
         import fla  # noqa: F401
     except ImportError:
         assert "fla baselines skipped: flash-linear-attention is not installed" in out.stdout
+
+
+@pytest.mark.parametrize("flags, passes", [([], (False,)), (["--bwd"], (True,)), (["--passes", "bwd"], (True,)),
+                                           (["--passes", "fwd,bwd"], (False, True)),
+                                           (["--passes", "bwd,fwd"], (True, False))])
+def test_bench_times_the_passes_asked_for_in_one_process(flags, passes, monkeypatch):
+    """--passes fwd,bwd hands both passes to one bench.run (the baselines compile and autotune once);
+    --bwd alone is forward + backward, no flag the forward."""
+    from attngen import bench
+    seen = []
+    monkeypatch.setattr(bench, "no_device_reason", lambda: None)
+    monkeypatch.setattr(bench, "run", lambda specs, shapes, dtype, device, bwd_passes, *a, **k:
+                        seen.append(bwd_passes) or [])
+    assert main(["bench", "specs/gla.yaml", "--vs", "none", *flags]) == 0
+    assert seen == [passes]
