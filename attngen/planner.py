@@ -246,6 +246,7 @@ _ALLOWED = {
     "stages": (lambda x: 1 <= x <= 8, "1 to 8"),
     "registers": (lambda x: 32 <= x <= 255, "32 to 255 registers per thread"),
     "flag": (lambda x: x in (0, 1), "0 or 1"),
+    "tiles_by": (lambda x: x in (0, 1, 2), "0 (pointers), 1 (the copy engine) or 2 (the copy engine, masked tiles by pointers)"),
     "splits": (lambda x: 1 <= x <= 1024, "1 to 1024"),
 }
 
@@ -266,8 +267,9 @@ class Launch:
     # warps, the table's, 255 registers and 164 bytes spilled; 128 x 32 at eight, 253 and none; ptxas on
     # the CPU, BENCHMARKS.md 2026-12-04, twelfth run)
     TILES: ClassVar[tuple[tuple[str, ...], ...]] = ()
-    # Knobs a table entry written before them may lack, each with the knob whose value it then takes
-    INHERITED: ClassVar[dict[str, str]] = {}
+    # Knobs a table entry written before them may lack, each with the knob whose value it then takes (a
+    # name) or the value itself (an int): the launch the entry was timed with
+    INHERITED: ClassVar[dict[str, str | int]] = {}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -360,9 +362,13 @@ class SoftmaxLaunch(Launch):
     dkdv_BM: int = knob("bwd", "block", (32, 64, 128))  # query rows per tile of the dk/dv pass
     dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
     dkdv_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dk/dv pass
-    dkdv_tma: int = knob("bwd", "flag", (0, 1))  # the dk/dv pass's query and output-gradient tiles by the copy engine
+    dkdv_tma: int = knob("bwd", "tiles_by", (0, 1, 2))  # the dk/dv pass's query and output-gradient tiles by the copy engine (2: its unmasked tiles)
+    dkdv_split: int = knob("bwd", "flag", (0, 1))  # dv and dk in a launch each (one accumulator a program, P formed twice)
 
-    TILES = (("BM", "BN", "warps"), ("dq_BM", "dq_BN", "dq_warps"), ("dkdv_BN", "dkdv_BM", "dkdv_warps"))
+    # the split moves with the dk/dv tile: it frees an accumulator's registers for a larger tile
+    TILES = (("BM", "BN", "warps"), ("dq_BM", "dq_BN", "dq_warps"), ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split"))
+    # entries written before the split were timed with dk and dv in one launch
+    INHERITED = {"dkdv_split": 0}
 
 
 # The kernel families with launch knobs, by the name tables and `attngen tune` give them.
@@ -660,7 +666,7 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
         kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=tma,
         dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=tma,
         dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2], dkdv_stages=bwd["dkdv"][3],
-        dkdv_tma=tma,
+        dkdv_tma=tma, dkdv_split=0,
     ))
 
 
@@ -685,7 +691,7 @@ def fit_softmax(call: Call, launch: SoftmaxLaunch, dtype: torch.dtype) -> Softma
         kv_splits=1 if call.varlen else min(launch.kv_splits, -(-call.k_len // launch.BN)),
         tma=launch.tma & copy_engine,
         dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap), dq_tma=launch.dq_tma & copy_engine,
-        dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap), dkdv_tma=launch.dkdv_tma & copy_engine)
+        dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap), dkdv_tma=launch.dkdv_tma * copy_engine)
 
 
 def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms: int) -> Launch:

@@ -253,8 +253,10 @@ def _entry(row) -> Entry:
         raise TypeError(f"launch: expected an object of the knobs {', '.join(cls.knobs())}, got {launch!r}")
     missing = set(cls.knobs()) - set(launch)
     if missing and missing <= set(cls.INHERITED) and set(launch) <= set(cls.knobs()):
-        # an entry written before these knobs: each takes the value of the knob that launched its kernels then
-        launch = {**launch, **{name: launch[cls.INHERITED[name]] for name in missing}}
+        # an entry written before these knobs: each takes the value of the knob that launched its kernels
+        # then, or the value it had then
+        was = {name: cls.INHERITED[name] for name in missing}
+        launch = {**launch, **{name: launch[v] if isinstance(v, str) else v for name, v in was.items()}}
     if set(launch) != set(cls.knobs()):
         raise StaleEntry(f"launch knobs {', '.join(launch)}; this version's: {', '.join(cls.knobs())}")
     times = [row.get(n) for n in ("ms", "default_ms")]

@@ -274,7 +274,7 @@ def softmax_fwd_kernel(
 # them (planner.SoftmaxLaunch: a tuned table's or its defaults, and why) and the launchers only read them.
 SoftmaxLaunch = collections.namedtuple("SoftmaxLaunch", (
     "BM BN warps stages last_first kv_splits tma "  # fwd
-    "dq_BM dq_BN dq_warps dq_stages dq_tma dkdv_BN dkdv_BM dkdv_warps dkdv_stages dkdv_tma"  # bwd
+    "dq_BM dq_BN dq_warps dq_stages dq_tma dkdv_BN dkdv_BM dkdv_warps dkdv_stages dkdv_tma dkdv_split"  # bwd
 ))
 
 
@@ -467,7 +467,11 @@ def softmax_cached_launch(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_
 #      tiles the mask lets it see (the forward's loop bounds) and accumulates dq.
 #   3. softmax_bwd_dkdv_kernel: one program per (key block, sequence x key head) streams the query
 #      tiles that can see its keys, for each query head that reads them (grouped-query attention:
-#      H // HK query heads per key head), and accumulates dk and dv.
+#      H // HK query heads per key head), and accumulates dk and dv; or, where the launch splits
+#      them (dkdv_split), two launches of it, one accumulating dv alone (P, then P^T do) and one dk
+#      alone (P and dP, then dS^T q): a program then holds one [BN, BK] or [BN, BV] accumulator in
+#      place of both, for 1.25x the dots (P is formed twice), which lets wide heads (K = V = 256)
+#      take tiles whose two accumulators would not fit in registers.
 # Both recompute P = exp2(s - lse) from q, k and the forward's lse (no T x T buffer) and form
 # dS = P * (dP - delta), dP = do v^T, which is the gradient of the natural-unit scores. A loss on
 # the lse too (return_lse) adds dlse_i P_ij to dS_ij (d lse_i / d s_ij = P_ij): delta carries it,
@@ -648,11 +652,11 @@ def softmax_bwd_dkdv_tiles(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     # meta
     BM: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, MASKED: tl.constexpr,
-    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
 ):
-    """Fold the query tiles starting in [lo, hi) into dk, dv (and the column sums of dS) of one
-    key block. MASKED tiles straddle a mask edge or the end of the queries; padding queries carry
-    lse2 = +inf (P = 0)."""
+    """Fold the query tiles starting in [lo, hi) into dk (and the column sums of dS; DK) and dv
+    (DV) of one key block. MASKED tiles straddle a mask edge or the end of the queries; padding
+    queries carry lse2 = +inf (P = 0)."""
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
@@ -693,14 +697,16 @@ def softmax_bwd_dkdv_tiles(
             b_st = tl.where(m_s, b_st, float("-inf"))
         # [BN, BM]
         b_pt = tl.exp2(b_st - b_lse2[None, :])
-        # [BN, BV]
-        b_dv += tl.dot(b_pt.to(DOT), b_do, input_precision=DOT_PRECISION)
-        # [BN, BM] dP^T = v do^T, then dS^T
-        b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
-        b_dst = b_pt * (b_dpt - b_delta[None, :])
-        # [BN, BK]
-        b_dk += tl.dot(b_dst.to(DOT), tl.trans(b_qt), input_precision=DOT_PRECISION)
-        b_dgk -= tl.sum(b_dst, 1)
+        if DV:
+            # [BN, BV]
+            b_dv += tl.dot(b_pt.to(DOT), b_do, input_precision=DOT_PRECISION)
+        if DK:
+            # [BN, BM] dP^T = v do^T, then dS^T
+            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=DOT_PRECISION)
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            # [BN, BK]
+            b_dk += tl.dot(b_dst.to(DOT), tl.trans(b_qt), input_precision=DOT_PRECISION)
+            b_dgk -= tl.sum(b_dst, 1)
     return b_dk, b_dv, b_dgk
 
 
@@ -714,10 +720,13 @@ def softmax_bwd_dkdv_kernel(
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, EDGE_TMA: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
 ):
     # TMA: the query and output-gradient tiles through q_desc, do_desc (the launch's dkdv_tma where
-    # tile_descriptor takes them), else by pointers
+    # tile_descriptor takes them), else by pointers; EDGE_TMA: the masked tiles too (dkdv_tma 1), else
+    # those by pointers (dkdv_tma 2: a copy-engine tile zeroed past the sequence's end is held in
+    # registers, which at wide heads spills the whole kernel's); DK, DV: which of dk (with the column
+    # sums of dS) and dv this launch accumulates and stores (both, or one each in two launches: dkdv_split)
     # program -> (sequence x key head, key block), a head's blocks neighbours in launch order (they
     # share its queries in L2), the first first (the most queries under a causal mask)
     i_pid = tl.program_id(0)
@@ -749,7 +758,11 @@ def softmax_bwd_dkdv_kernel(
     i_k = (k_bos + o_n) * HK + i_hk
     # [BN, BK], [BN, BV]
     b_k = tl.load(k + i_k[:, None] * K + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(DOT)
-    b_v = tl.load(v + i_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
+    if DK:
+        b_v = tl.load(v + i_k[:, None] * V + o_v[None, :], mask=m_n[:, None] & m_v[None, :], other=0.0).to(DOT)
+    else:
+        # dv alone reads no values (no dP): the keys stand in for the argument
+        b_v = b_k
 
     # queries sit at key positions t + Tk - Tq: t_lo is the first query that may see the block's
     # first key, t_last the first that sees its last real key (both may be out of range)
@@ -786,18 +799,25 @@ def softmax_bwd_dkdv_kernel(
         b_glr = tl.load(g_lo + i_gr)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
             b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
-            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION, TMA)
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, lo, i_full, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION,
+            EDGE_TMA, DK, DV)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
             b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
-            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION, TMA)
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_full, i_edge, qk_scale, H, K, V, BM, BK, BV, False, DOT, DOT_PRECISION, TMA,
+            DK, DV)
         b_dk, b_dv, b_dgk = softmax_bwd_dkdv_tiles(
             b_dk, b_dv, b_dgk, b_k, b_v, b_ghk, b_glk, b_ghr, b_glr, o_n, q, do, q_desc, do_desc, g_hi, g_lo, lse2, delta,
-            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION, TMA)
-        tl.store(dgk + i_gk, b_dgk, mask=m_n)
+            q_bos, k_bos, o_lse, Tq_seq, Tk_seq, i_h, i_edge, hi, qk_scale, H, K, V, BM, BK, BV, True, DOT, DOT_PRECISION,
+            EDGE_TMA, DK, DV)
+        if DK:
+            # the column sums of dS: the launch that forms dS (dk's)
+            tl.store(dgk + i_gk, b_dgk, mask=m_n)
 
-    b_dk = b_dk * ds_scale
-    tl.store(dk + i_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
-    tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
+    if DK:
+        b_dk = b_dk * ds_scale
+        tl.store(dk + i_k[:, None] * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_n[:, None] & m_k[None, :])
+    if DV:
+        tl.store(dv + i_k[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_n[:, None] & m_v[None, :])
 
 
 def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, do, dlse):
@@ -848,21 +868,23 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
         TMA=k_desc is not None, num_warps=launch.dq_warps, num_stages=launch.dq_stages,
     )
 
-    # 3. dk, dv: key blocks of BN, query tiles of BM
+    # 3. dk, dv: key blocks of BN, query tiles of BM; one launch, or dv and dk in a launch each (dkdv_split)
     BN, BM = launch.dkdv_BN, launch.dkdv_BM
     dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
     # [B, Tk, H] minus the column sums of dS: the bias's gradient at each key
     dgk = q.new_empty((B, Tk, H), dtype=acc)
-    # the query and output-gradient tiles by the copy engine where the launch says so (dkdv_tma) and
-    # tile_descriptor takes them
+    # the query and output-gradient tiles by the copy engine where the launch says so (dkdv_tma: 1 every
+    # tile, 2 the unmasked ones) and tile_descriptor takes them
     q_desc, do_desc = tile_descriptors(BM, q_in, do) if launch.dkdv_tma else (None, None)
-    softmax_bwd_dkdv_kernel[(ceil_div(max_k, BN) * N * HK,)](
-        q_in, k, v, q_desc, do_desc, g_hi, g_lo, do, lse2, delta, dk, dv, dgk, cu_seqlens,
-        Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_k, BN),
-        BM=BM, BN=BN, BK=BK, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        TMA=q_desc is not None, num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,
-    )
+    for with_dk, with_dv in ((False, True), (True, False)) if launch.dkdv_split else ((True, True),):
+        softmax_bwd_dkdv_kernel[(ceil_div(max_k, BN) * N * HK,)](
+            q_in, k, v, q_desc, do_desc, g_hi, g_lo, do, lse2, delta, dk, dv, dgk, cu_seqlens,
+            Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_k, BN),
+            BM=BM, BN=BN, BK=BK, BV=BV,
+            IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
+            TMA=q_desc is not None, EDGE_TMA=q_desc is not None and launch.dkdv_tma == 1, DK=with_dk, DV=with_dv,
+            num_warps=launch.dkdv_warps, num_stages=launch.dkdv_stages,
+        )
     if is_fp64:
         # dq = scale dS k; dk = scale dS^T q = dS^T q_in / log2(e)
         dq.mul_(scale)

@@ -188,10 +188,12 @@ def test_masked_key_tiles_are_not_read(name):
 
 def _with_tma(op, inputs, tma: int) -> list[int]:
     """The op's launch for inputs with its knobs tma, dq_tma and dkdv_tma set (the forward's and the dq
-    pass's key and value tiles, the dk/dv pass's query and output-gradient tiles by tensor descriptors)."""
+    pass's key and value tiles, the dk/dv pass's query and output-gradient tiles by tensor descriptors;
+    tma 2: the dk/dv pass's unmasked tiles alone, the others' every tile)."""
     launch = kernel_launch(op, inputs)[1]
     fields = codegen.load_module(op.spec).SoftmaxLaunch._fields
-    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = launch[fields.index("dkdv_tma")] = tma
+    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = min(tma, 1)
+    launch[fields.index("dkdv_tma")] = tma
     return launch
 
 
@@ -200,8 +202,9 @@ def _with_tma(op, inputs, tma: int) -> list[int]:
 @pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
 def test_tma_tiles_equal_pointer_loads(name, case, dname):
     """The key and value tiles through tensor descriptors (launch knobs tma, dq_tma) give the pointer
-    loads' outputs and lse bit for bit and their gradients: partial last tiles, packed sequences, Tq < Tk,
-    shared key heads."""
+    loads' outputs and lse bit for bit and their gradients, the dk/dv pass's with every tile or its
+    unmasked ones by descriptors (dkdv_tma 1, 2): partial last tiles, packed sequences, Tq < Tk, shared key
+    heads."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
     shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
@@ -220,22 +223,55 @@ def test_tma_tiles_equal_pointer_loads(name, case, dname):
     o, lse = runs[0]
     do = torch.randn_like(o)
     grads = [module.backward(q, k, v, g, cu, scale, None, _with_tma(op, inputs, tma), o, lse, do, None)
-             for tma in (0, 1)]
+             for tma in (0, 1, 2)]
     # the gradients to a rounding of the dots' sums (the interpreter multiplies a transposed tile as a
     # strided array: its sums may round apart by an ulp of the 16-bit output)
-    for a, b in zip(*grads):
-        assert (a is None and b is None) or float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert (a is None and b is None) or float((a - b).abs().max()) <= 2 ** -7 * float(a.abs().max())
 
 
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["dense", "varlen", "fewer_queries", "gqa"])
+@pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
+def test_dk_and_dv_in_launches_of_their_own_equal_one_launch(name, case, dname, poison_fresh_buffers):
+    """The dk/dv pass split in two launches (knob dkdv_split: dv alone, then dk and the decay's column
+    sums of dS alone) gives the one launch's gradients bit for bit, and each of its outputs is written
+    (fresh buffers poisoned): partial tiles, packed sequences, Tq < Tk, shared key heads, the decay's dg."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
+             "varlen": Shape(batch=1, q_len=153, heads=2, head_dim=16, value_dim=32, cu_seqlens=(0, 1, 66, 83, 153)),
+             "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=16),
+             "gqa": Shape(batch=2, q_len=40, heads=4, kv_heads=2, head_dim=16, value_dim=16)}[case]
+    inputs = random_inputs(op.spec, shape, seed=4)
+    inputs = {n: (t.to(DTYPES[dname]) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    q, k, v, g, cu = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
+    scale = op.spec.default_scale(q.shape[-1])
+    launch = kernel_launch(op, inputs)[1]
+    split = module.SoftmaxLaunch._fields.index("dkdv_split")
+    o, lse = module.forward(q, k, v, g, cu, scale, None, launch)
+    do = torch.randn_like(o)
+    grads = {}
+    for flag in (0, 1):
+        launch[split] = flag
+        grads[flag] = module.backward(q, k, v, g, cu, scale, None, launch, o, lse, do, None)
+    assert (grads[1][3] is not None) == (name == "forgetting")
+    for one, two in zip(grads[0], grads[1]):
+        assert (one is None and two is None) or torch.equal(one, two)
+    assert all(t is None or torch.isfinite(t).all() for t in grads[1])
+
+
+@pytest.mark.parametrize("tma", [1, 2])
 @pytest.mark.parametrize("name", ["causal", "forgetting"])
-def test_tma_tiles_read_no_other_sequence(name):
+def test_tma_tiles_read_no_other_sequence(name, tma):
     """A partial last key tile read by the copy engine holds the next sequence's first rows: NaN and inf
     there (keys and values) leave this sequence's outputs as they were."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
     inputs = random_inputs(op.spec, Shape(batch=2, q_len=70, heads=2, head_dim=16, value_dim=16), seed=5)
     inputs = {n: (t.to(torch.bfloat16) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
-    launch = _with_tma(op, inputs, 1)
+    launch = _with_tma(op, inputs, tma)
     q, k, v, g = (inputs.get(n) for n in ("q", "k", "v", "g"))
     scale = op.spec.default_scale(16)
     clean = module.forward(q, k, v, g, None, scale, None, launch)[0]

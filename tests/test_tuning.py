@@ -118,7 +118,7 @@ def test_defaults_are_the_measured_launches():
     soft = planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.bfloat16, 132)
     assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=1, dq_BM=128,
                                          dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=1, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
-                                         dkdv_stages=2, dkdv_tma=1)
+                                         dkdv_stages=2, dkdv_tma=1, dkdv_split=0)
     # the copy engine's tiles are 16-bit ones: a float32 call's launch holds none, a table's or a search's either
     call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
     fp32 = planner.softmax_launch(call, torch.float32, 132)
@@ -126,6 +126,10 @@ def test_defaults_are_the_measured_launches():
     held = planner.fit_launch("softmax", None, call, torch.float32, soft)
     assert (held.tma, held.dq_tma, held.dkdv_tma) == (0, 0, 0) and held.BM == soft.BM
     assert planner.fit_launch("softmax", None, call, torch.float16, soft) == soft
+    # the dk/dv pass's unmasked tiles alone by the copy engine: a 16-bit call keeps it, a float32 one loads by pointers
+    edges = dataclasses.replace(soft, dkdv_tma=2)
+    assert planner.fit_launch("softmax", None, call, torch.float16, edges).dkdv_tma == 2
+    assert planner.fit_launch("softmax", None, call, torch.float32, edges).dkdv_tma == 0
     # decode: one query block per sequence and head, the keys split for two programs per multiprocessor
     decode = planner.softmax_launch(Call(1, 1, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16),
                                     torch.bfloat16, 132)
@@ -136,7 +140,9 @@ def test_a_launch_is_checked_naming_the_knob():
     with pytest.raises(ValueError, match="ChunkedLaunch.chunk: 48 is not allowed; allowed: 16, 32, 64"):
         dataclasses.replace(default(linear_call()), chunk=48)
     with pytest.raises(ValueError, match="SoftmaxLaunch.BM: 24 is not allowed; allowed: a power of two"):
-        planner.SoftmaxLaunch(*([24] + [1] * 16))
+        planner.SoftmaxLaunch(*([24] + [1] * 17))
+    with pytest.raises(ValueError, match=r"SoftmaxLaunch.dkdv_tma: 3 is not allowed; allowed: 0 \(pointers\)"):
+        dataclasses.replace(planner.softmax_launch(Call(1, 64, 64, 2, 16, 16, 16, 1, 64, 0.25, False, 2), torch.bfloat16, 132), dkdv_tma=3)
     with pytest.raises(ValueError, match="ChunkedLaunch.states_warps: True"):
         dataclasses.replace(default(linear_call()), states_warps=True)
 
@@ -533,6 +539,23 @@ def test_an_entry_written_before_the_dq_and_dk_steps_had_warps_of_their_own_keep
     assert tuning.read_table(path).stale == 1
 
 
+def test_a_softmax_entry_written_before_the_dkdv_split_keeps_its_one_launch():
+    """dkdv_split came after the shipped table's softmax entries, which were timed with dk and dv in one
+    launch (planner.SoftmaxLaunch.INHERITED takes a value as well as a knob's name): such an entry reads
+    with dkdv_split 0 and is not stale; the shipped table has no stale entry."""
+    spec = attngen.load_spec(SPECS / "softmax_causal.yaml")
+    call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
+    tuned = planner.softmax_launch(call, torch.bfloat16, 132)
+    path = tuning.record([entry(call, tuned, spec=spec, family="softmax")], FAKE)
+    data = json.loads(path.read_text())
+    del data["entries"][0]["launch"]["dkdv_split"]
+    path.write_text(json.dumps(data))
+    table = tuning.read_table(path)
+    assert (table.stale, table.entries[0].launch) == (0, tuned) and tuned.dkdv_split == 0
+    shipped = tuning.read_table(next(Path(attngen.__file__).parent.glob("tables/*.json")))
+    assert shipped.stale == 0 and any(e.key.kernel == "softmax" for e in shipped.entries)
+
+
 @pytest.mark.parametrize("text, error", [
     ("{not json", "is not JSON"),
     ('{"entries": []}', "is not an attngen tuning table"),
@@ -621,7 +644,7 @@ def test_search_moves_a_kernels_tile_and_warps_together(monkeypatch):
     def prepare(launches, pass_):
         prepared.update((launch, pass_) for launch in launches)
 
-    assert ("dkdv_BN", "dkdv_BM", "dkdv_warps") in planner.SoftmaxLaunch.tiles("bwd")
+    assert ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split") in planner.SoftmaxLaunch.tiles("bwd")
     assert planner.SoftmaxLaunch.tiles("fwd") == (("BM", "BN", "warps"),)
     found = tuning.search(start, fit, measure, report=lambda line: None, prepare=prepare)
     assert (found.best.dkdv_BN, found.best.dkdv_BM, found.best.dkdv_warps) == (128, 32, 8)

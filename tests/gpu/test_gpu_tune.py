@@ -90,3 +90,36 @@ def test_tuned_and_default_launches_agree(name):
         want, got = run(default, pass_), run(other, pass_)
         for i, (a, b) in enumerate(zip(got, want)):
             assert rel_error(a, b) <= tol, f"{pass_} result {i}: {rel_error(a, b):.2e} > {tol:.2e}"
+
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("name", ["softmax_causal", "forgetting_attention"])
+def test_the_dkdv_passes_launch_variants_agree(name, d):
+    """The dk/dv pass in two launches (dkdv_split) and its masked tiles by pointers under the copy engine's
+    unmasked ones (dkdv_tma 2), alone and together, at tiles each makes room for (K = V = 256: 64 keys by 64
+    queries at eight warps, where one launch of both accumulators spills), give the default's gradients
+    to the rounding of the dtype, on sequences that end mid-tile (dense, and packed)."""
+    op = attngen.load(ROOT / "specs" / f"{name}.yaml")
+    module = codegen.load_module(op.spec)
+    tol = LOWP_FACTOR * LOWP_FLOOR[torch.bfloat16]
+    for cu in (None, (0, 37, 500, 1000)):
+        inputs = bench_inputs(op.spec, parse_shape(f"{2 if cu is None else 1},1000,4,{d},{d}"), torch.bfloat16, "cuda")
+        if cu is not None:
+            inputs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        q, k, v, g, cu_seqlens = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
+        scale = op.spec.default_scale(d)
+        default = planner.SoftmaxLaunch(*kernel_launch(op, inputs)[1])
+        o, lse = module.forward(q, k, v, g, cu_seqlens, scale, None, default.ints())
+        do = torch.randn_like(o)
+        want = module.backward(q, k, v, g, cu_seqlens, scale, None, default.ints(), o, lse, do, None)
+        call = attngen.runtime.check_call(op, inputs)
+        for split, tma in ((1, default.dkdv_tma), (0, 2), (1, 2)):
+            other = dataclasses.replace(default, dkdv_split=split, dkdv_tma=tma, dkdv_BN=64, dkdv_BM=64 if split else 32,
+                                        dkdv_warps=8)
+            other = planner.fit_launch("softmax", op.spec, call, torch.bfloat16, other)
+            got = module.backward(q, k, v, g, cu_seqlens, scale, None, other.ints(), o, lse, do, None)
+            for i, (a, b) in enumerate(zip(got, want)):
+                if a is not None:
+                    err = rel_error(a, b)
+                    assert err <= tol, f"cu_seqlens {cu} {other.describe()} gradient {i}: {err:.2e} > {tol:.2e}"
