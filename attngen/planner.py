@@ -357,7 +357,7 @@ class SoftmaxLaunch(Launch):
     dq_BN: int = knob("bwd", "block", (32, 64, 128))  # keys per tile of the dq pass
     dq_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dq pass
     dq_stages: int = knob("bwd", "stages", (1, 2, 3))  # software-pipeline stages of the dq pass
-    dq_tma: int = knob("bwd", "flag", (0, 1))  # the dq pass's key and value tiles by the copy engine (tensor descriptors)
+    dq_tma: int = knob("bwd", "tiles_by", (0, 1, 2))  # the dq pass's key and value tiles by the copy engine (tensor descriptors; 2: its unmasked tiles)
     dkdv_BN: int = knob("bwd", "block", (64, 128))  # keys per program of the dk/dv pass
     dkdv_BM: int = knob("bwd", "block", (32, 64, 128))  # query rows per tile of the dk/dv pass
     dkdv_warps: int = knob("bwd", "warps", (4, 8))  # warps of the dk/dv pass
@@ -690,7 +690,7 @@ def fit_softmax(call: Call, launch: SoftmaxLaunch, dtype: torch.dtype) -> Softma
         launch, BM=min(launch.BM, q_cap),
         kv_splits=1 if call.varlen else min(launch.kv_splits, -(-call.k_len // launch.BN)),
         tma=launch.tma & copy_engine,
-        dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap), dq_tma=launch.dq_tma & copy_engine,
+        dq_BM=min(launch.dq_BM, q_cap), dq_BN=min(launch.dq_BN, q_cap), dq_tma=launch.dq_tma * copy_engine,
         dkdv_BN=min(launch.dkdv_BN, k_cap), dkdv_BM=min(launch.dkdv_BM, k_cap), dkdv_tma=launch.dkdv_tma * copy_engine)
 
 

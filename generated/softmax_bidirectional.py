@@ -404,10 +404,12 @@ def softmax_bwd_dq_kernel(
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, EDGE_TMA: tl.constexpr,
 ):
     # TMA: the key and value tiles through k_desc, v_desc (the launch's dq_tma where tile_descriptor
-    # takes k and v), else by pointers
+    # takes k and v), else by pointers; EDGE_TMA: the masked tiles too (dq_tma 1), else those by
+    # pointers (dq_tma 2: a copy-engine tile zeroed past the sequence's end is held in registers,
+    # which at wide heads spills the whole kernel's)
     # program -> (sequence x head, query block), a head's blocks neighbours in launch order (they
     # share its keys and values in L2), the last first (the most keys under a causal mask)
     i_pid = tl.program_id(0)
@@ -461,7 +463,7 @@ def softmax_bwd_dq_kernel(
         k_bos, Tk_seq, i_h, i_hk, i_full, i_edge, qk_scale, H, HK, K, V, BN, BK, BV, False, DOT, DOT_PRECISION, TMA)
     b_dq, b_dgq = softmax_bwd_dq_tiles(
         b_dq, b_dgq, b_q, b_do, b_lse2, b_delta, o_pos, k, v, k_desc, v_desc,
-        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, TMA)
+        k_bos, Tk_seq, i_h, i_hk, i_edge, hi, qk_scale, H, HK, K, V, BN, BK, BV, True, DOT, DOT_PRECISION, EDGE_TMA)
 
     b_dq = b_dq * ds_scale
     tl.store(dq + i_q[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_m[:, None] & m_k[None, :])
@@ -648,14 +650,16 @@ def softmax_bwd_launch(q, k, v, g, cu_seqlens, scale, max_len, launch, o, lse, d
     # 2. dq: query blocks of BM, key tiles of BN
     BM, BN = launch.dq_BM, launch.dq_BN
     dq = q.new_empty(q.shape)
-    # the key and value tiles by the copy engine where the launch says so (dq_tma) and tile_descriptor takes them
+    # the key and value tiles by the copy engine where the launch says so (dq_tma: 1 every tile, 2 the unmasked
+    # ones) and tile_descriptor takes them
     k_desc, v_desc = tile_descriptors(BN, k, v) if launch.dq_tma else (None, None)
     softmax_bwd_dq_kernel[(ceil_div(max_q, BM) * N * H,)](
         q_in, k, v, k_desc, v_desc, do, lse2, delta, dq, cu_seqlens,
         Tq, Tk, H, HK, K, V, qk_scale, ds_scale, ceil_div(max_q, BM),
         BM=BM, BN=BN, BK=BK, BV=BV,
         IS_VARLEN=cu_seqlens is not None, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot, DOT_PRECISION=dot_precision,
-        TMA=k_desc is not None, num_warps=launch.dq_warps, num_stages=launch.dq_stages,
+        TMA=k_desc is not None, EDGE_TMA=k_desc is not None and launch.dq_tma == 1,
+        num_warps=launch.dq_warps, num_stages=launch.dq_stages,
     )
 
     # 3. dk, dv: key blocks of BN, query tiles of BM; one launch, or dv and dk in a launch each (dkdv_split)

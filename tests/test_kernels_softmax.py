@@ -189,11 +189,11 @@ def test_masked_key_tiles_are_not_read(name):
 def _with_tma(op, inputs, tma: int) -> list[int]:
     """The op's launch for inputs with its knobs tma, dq_tma and dkdv_tma set (the forward's and the dq
     pass's key and value tiles, the dk/dv pass's query and output-gradient tiles by tensor descriptors;
-    tma 2: the dk/dv pass's unmasked tiles alone, the others' every tile)."""
+    tma 2: the backward passes' unmasked tiles alone, the forward's every tile)."""
     launch = kernel_launch(op, inputs)[1]
     fields = codegen.load_module(op.spec).SoftmaxLaunch._fields
-    launch[fields.index("tma")] = launch[fields.index("dq_tma")] = min(tma, 1)
-    launch[fields.index("dkdv_tma")] = tma
+    launch[fields.index("tma")] = min(tma, 1)
+    launch[fields.index("dq_tma")] = launch[fields.index("dkdv_tma")] = tma
     return launch
 
 
@@ -202,8 +202,8 @@ def _with_tma(op, inputs, tma: int) -> list[int]:
 @pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
 def test_tma_tiles_equal_pointer_loads(name, case, dname):
     """The key and value tiles through tensor descriptors (launch knobs tma, dq_tma) give the pointer
-    loads' outputs and lse bit for bit and their gradients, the dk/dv pass's with every tile or its
-    unmasked ones by descriptors (dkdv_tma 1, 2): partial last tiles, packed sequences, Tq < Tk, shared key
+    loads' outputs and lse bit for bit and their gradients, the backward passes' with every tile or
+    their unmasked ones by descriptors (dq_tma and dkdv_tma 1, 2): partial last tiles, packed sequences, Tq < Tk, shared key
     heads."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)

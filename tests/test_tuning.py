@@ -126,10 +126,11 @@ def test_defaults_are_the_measured_launches():
     held = planner.fit_launch("softmax", None, call, torch.float32, soft)
     assert (held.tma, held.dq_tma, held.dkdv_tma) == (0, 0, 0) and held.BM == soft.BM
     assert planner.fit_launch("softmax", None, call, torch.float16, soft) == soft
-    # the dk/dv pass's unmasked tiles alone by the copy engine: a 16-bit call keeps it, a float32 one loads by pointers
-    edges = dataclasses.replace(soft, dkdv_tma=2)
-    assert planner.fit_launch("softmax", None, call, torch.float16, edges).dkdv_tma == 2
-    assert planner.fit_launch("softmax", None, call, torch.float32, edges).dkdv_tma == 0
+    # the backward passes' unmasked tiles alone by the copy engine: a 16-bit call keeps it, a float32 one loads by pointers
+    edges = dataclasses.replace(soft, dq_tma=2, dkdv_tma=2)
+    assert planner.fit_launch("softmax", None, call, torch.float16, edges) == edges
+    assert (planner.fit_launch("softmax", None, call, torch.float32, edges).dq_tma,
+            planner.fit_launch("softmax", None, call, torch.float32, edges).dkdv_tma) == (0, 0)
     # decode: one query block per sequence and head, the keys split for two programs per multiprocessor
     decode = planner.softmax_launch(Call(1, 1, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16),
                                     torch.bfloat16, 132)

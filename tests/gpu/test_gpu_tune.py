@@ -95,10 +95,10 @@ def test_tuned_and_default_launches_agree(name):
 
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("name", ["softmax_causal", "forgetting_attention"])
-def test_the_dkdv_passes_launch_variants_agree(name, d):
-    """The dk/dv pass in two launches (dkdv_split) and its masked tiles by pointers under the copy engine's
-    unmasked ones (dkdv_tma 2), alone and together, at tiles each makes room for (K = V = 256: 64 keys by 64
-    queries at eight warps, where one launch of both accumulators spills), give the default's gradients
+def test_the_backward_passes_launch_variants_agree(name, d):
+    """The dk/dv pass in two launches (dkdv_split), and the backward passes' masked tiles by pointers under
+    the copy engine's unmasked ones (dq_tma, dkdv_tma 2), alone and together, at tiles each makes room for
+    (K = V = 256: 64 x 64 at eight warps, where the defaults' launches spill), give the default's gradients
     to the rounding of the dtype, on sequences that end mid-tile (dense, and packed)."""
     op = attngen.load(ROOT / "specs" / f"{name}.yaml")
     module = codegen.load_module(op.spec)
@@ -115,8 +115,8 @@ def test_the_dkdv_passes_launch_variants_agree(name, d):
         want = module.backward(q, k, v, g, cu_seqlens, scale, None, default.ints(), o, lse, do, None)
         call = attngen.runtime.check_call(op, inputs)
         for split, tma in ((1, default.dkdv_tma), (0, 2), (1, 2)):
-            other = dataclasses.replace(default, dkdv_split=split, dkdv_tma=tma, dkdv_BN=64, dkdv_BM=64 if split else 32,
-                                        dkdv_warps=8)
+            other = dataclasses.replace(default, dkdv_split=split, dq_tma=tma, dkdv_tma=tma, dq_BM=64, dq_BN=64 if tma == 2 else 32,
+                                        dq_warps=8, dkdv_BN=64, dkdv_BM=64 if split else 32, dkdv_warps=8)
             other = planner.fit_launch("softmax", op.spec, call, torch.bfloat16, other)
             got = module.backward(q, k, v, g, cu_seqlens, scale, None, other.ints(), o, lse, do, None)
             for i, (a, b) in enumerate(zip(got, want)):
