@@ -365,8 +365,10 @@ class SoftmaxLaunch(Launch):
     dkdv_tma: int = knob("bwd", "tiles_by", (0, 1, 2))  # the dk/dv pass's query and output-gradient tiles by the copy engine (2: its unmasked tiles)
     dkdv_split: int = knob("bwd", "flag", (0, 1))  # dv and dk in a launch each (one accumulator a program, P formed twice)
 
-    # the split moves with the dk/dv tile: it frees an accumulator's registers for a larger tile
-    TILES = (("BM", "BN", "warps"), ("dq_BM", "dq_BN", "dq_warps"), ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split"))
+    # the backward's copy-engine knobs and the dk/dv split move with their pass's tile: each frees registers
+    # for a larger tile (at K = V = 256 the larger tiles spill without them: BENCHMARKS.md 2026-12-05, second run)
+    TILES = (("BM", "BN", "warps"), ("dq_BM", "dq_BN", "dq_warps", "dq_tma"),
+             ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split", "dkdv_tma"))
     # entries written before the split were timed with dk and dv in one launch
     INHERITED = {"dkdv_split": 0}
 

@@ -645,7 +645,7 @@ def test_search_moves_a_kernels_tile_and_warps_together(monkeypatch):
     def prepare(launches, pass_):
         prepared.update((launch, pass_) for launch in launches)
 
-    assert ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split") in planner.SoftmaxLaunch.tiles("bwd")
+    assert ("dkdv_BN", "dkdv_BM", "dkdv_warps", "dkdv_split", "dkdv_tma") in planner.SoftmaxLaunch.tiles("bwd")
     assert planner.SoftmaxLaunch.tiles("fwd") == (("BM", "BN", "warps"),)
     found = tuning.search(start, fit, measure, report=lambda line: None, prepare=prepare)
     assert (found.best.dkdv_BN, found.best.dkdv_BM, found.best.dkdv_warps) == (128, 32, 8)
