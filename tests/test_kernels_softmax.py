@@ -186,6 +186,14 @@ def test_masked_key_tiles_are_not_read(name):
     assert torch.isnan(o).any()  # the poison is there for the queries that do see it
 
 
+# Calls whose tiles end mid-tile in every way a launch's knobs must hold to: partial last tiles, packed
+# sequences, Tq < Tk, shared key heads
+TILE_CASES = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
+              "varlen": Shape(batch=1, q_len=153, heads=2, head_dim=16, value_dim=32, cu_seqlens=(0, 1, 66, 83, 153)),
+              "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=16),
+              "gqa": Shape(batch=2, q_len=40, heads=4, kv_heads=2, head_dim=16, value_dim=16)}
+
+
 def _with_tma(op, inputs, tma: int) -> list[int]:
     """The op's launch for inputs with its knobs tma, dq_tma and dkdv_tma set (the forward's and the dq
     pass's key and value tiles, the dk/dv pass's query and output-gradient tiles by tensor descriptors;
@@ -198,19 +206,16 @@ def _with_tma(op, inputs, tma: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dname", ["bf16", "fp16"])
-@pytest.mark.parametrize("case", ["dense", "varlen", "fewer_queries", "gqa"])
+@pytest.mark.parametrize("case", list(TILE_CASES))
 @pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
 def test_tma_tiles_equal_pointer_loads(name, case, dname):
     """The key and value tiles through tensor descriptors (launch knobs tma, dq_tma) give the pointer
     loads' outputs and lse bit for bit and their gradients, the backward passes' with every tile or
-    their unmasked ones by descriptors (dq_tma and dkdv_tma 1, 2): partial last tiles, packed sequences, Tq < Tk, shared key
-    heads."""
+    their unmasked ones by descriptors (dq_tma and dkdv_tma 1, 2): partial last tiles, packed sequences,
+    Tq < Tk, shared key heads."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
-    shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
-             "varlen": Shape(batch=1, q_len=153, heads=2, head_dim=16, value_dim=32, cu_seqlens=(0, 1, 66, 83, 153)),
-             "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=16),
-             "gqa": Shape(batch=2, q_len=40, heads=4, kv_heads=2, head_dim=16, value_dim=16)}[case]
+    shape = TILE_CASES[case]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dname]
     inputs = random_inputs(op.spec, shape, seed=3)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
@@ -232,7 +237,7 @@ def test_tma_tiles_equal_pointer_loads(name, case, dname):
 
 
 @pytest.mark.parametrize("dname", ["fp32", "bf16"])
-@pytest.mark.parametrize("case", ["dense", "varlen", "fewer_queries", "gqa"])
+@pytest.mark.parametrize("case", list(TILE_CASES))
 @pytest.mark.parametrize("name", ["causal", "bidirectional", "window3", "forgetting"])
 def test_dk_and_dv_in_launches_of_their_own_equal_one_launch(name, case, dname, poison_fresh_buffers):
     """The dk/dv pass split in two launches (knob dkdv_split: dv alone, then dk and the decay's column
@@ -240,10 +245,7 @@ def test_dk_and_dv_in_launches_of_their_own_equal_one_launch(name, case, dname, 
     (fresh buffers poisoned): partial tiles, packed sequences, Tq < Tk, shared key heads, the decay's dg."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
-    shape = {"dense": Shape(batch=2, q_len=70, heads=2, head_dim=32, value_dim=16),
-             "varlen": Shape(batch=1, q_len=153, heads=2, head_dim=16, value_dim=32, cu_seqlens=(0, 1, 66, 83, 153)),
-             "fewer_queries": Shape(batch=2, q_len=5, k_len=70, heads=2, head_dim=16, value_dim=16),
-             "gqa": Shape(batch=2, q_len=40, heads=4, kv_heads=2, head_dim=16, value_dim=16)}[case]
+    shape = TILE_CASES[case]
     inputs = random_inputs(op.spec, shape, seed=4)
     inputs = {n: (t.to(DTYPES[dname]) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     q, k, v, g, cu = (inputs.get(n) for n in ("q", "k", "v", "g", "cu_seqlens"))
