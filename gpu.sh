@@ -46,9 +46,10 @@ if [ "${1-}" = shipped ]; then
 fi
 [ $# -gt 0 ] || set -- tests/gpu
 # `bash gpu.sh smoke`: every spec at one shape, outputs (three dtypes) and bf16 gradients, a few minutes;
-# and the forward cases the planner or runtime routes around a GPU failure (BENCHMARKS.md 2026-12-02):
-# vector decay in fp32 at D256 (16-token chunks), FAVOR+ in bf16 at D32 (the PyTorch forms)
-[ "$1" = smoke ] && set -- tests/gpu -k "(forward_matches and T1000 and D128) or (gradients and T1000 and D128 and bf16) or (forward_matches and (T63 or T1000) and (((kda or gla) and fp32 and D256) or (performer and bf16 and D32)))"
+# the forward cases the planner or runtime routes around a GPU failure (BENCHMARKS.md 2026-12-02):
+# vector decay in fp32 at D256 (16-token chunks), FAVOR+ in bf16 at D32 (the PyTorch forms); and the
+# softmax backward's launch variants off the default (dkdv_split, dq_tma / dkdv_tma 2) that a search may take
+[ "$1" = smoke ] && set -- tests/gpu -k "(forward_matches and T1000 and D128) or (gradients and T1000 and D128 and bf16) or (forward_matches and (T63 or T1000) and (((kda or gla) and fp32 and D256) or (performer and bf16 and D32))) or backward_passes_launch_variants"
 [ "${GPU_TESTS_S:-360}" -gt 0 ] || exit 0
 GPU_FAILURES=$OUT/gpu_failures.txt timeout "${GPU_TESTS_S:-360}" python3 -m pytest -v -n "${GPU_TESTS_N:-12}" --dist loadgroup -p no:cacheprovider --timeout=300 --durations=8 "$@" \
   > "$OUT/gpu_tests.log" 2>&1
