@@ -66,7 +66,7 @@ class NoDecay:
         return "" if self.output_pointers else ", gc=None"
 
     @property
-    def segment_decay_buffer(self) -> str:
+    def segment_transition_buffer(self) -> str:
         """hd, the segments' decays D [N, G - 1, H, F] (None without a decay)."""
         return "torch.empty(N, G - 1, H, F, **f32) if G > 1 else None" if self.decayed else "None"
 
@@ -124,9 +124,16 @@ class NoDecay:
         """x [BF] (the normalizer column z, or its gradient) times Γ_C."""
         return f"{x} * b_gam_C" if self.decayed else x
 
-    # The state passes' segments (rule.segmented: kernel_lib.chunked_state_segments): a segment's end state is
-    # D S + E of its start state S, D [BF] the product of its chunks' Γ_C (1 without a decay), E its end state
-    # from zeros; segment o_e's D and E stored by the first launch (ENDS), read by the second.
+    # The state passes' segments (kernel_lib.chunked_state_segments) with the additive rule (rule.segments): a
+    # segment's end state is D S + E of its start state S, D [BF] the product of its chunks' Γ_C (1 without a
+    # decay), E its end state from zeros; segment o_e's D and E stored by the first launch (ENDS), read by the
+    # second. (The delta rule's transition is a matrix: TransitionSegments.)
+    matrix: ClassVar[bool] = False      # whether the transition is a [F, F] matrix (a diagonal here)
+
+    def segment_ends_start(self, x: str) -> str:
+        """ENDS: x [BF, BV], a segment's start for its E (zeros, as initialized)."""
+        return ""
+
     def segment_carry(self, x: str, d: str, e: str) -> str:
         """x [BF, BV] <- D x + e, D segment o_e's decay from d (b_dj, for segment_carry_column too)."""
         if not self.decayed:
@@ -137,16 +144,16 @@ class NoDecay:
         """x [BF] (the normalizer column or its gradient) <- D x + e."""
         return f"{x} = {x} * b_dj + {e}" if self.decayed else f"{x} = {x} + {e}"
 
-    def segment_decay_start(self) -> str:
+    def segment_transition_start(self) -> str:
         """ENDS: b_dseg [BF], the segment's D so far (before its first chunk)."""
         return "b_dseg = tl.full([BF], 1.0, tl.float32)" if self.decayed else ""
 
-    def segment_decay_step(self) -> str:
+    def segment_transition_step(self) -> str:
         """ENDS: b_dseg after a chunk (Γ_C in b_gam_C)."""
         return "if ENDS:\n    b_dseg = b_dseg * b_gam_C" if self.decayed else ""
 
-    def segment_decay_store(self, d: str) -> str:
-        """ENDS: the segment's D into d, row o_e."""
+    def segment_transition_store(self, d: str, x: str) -> str:
+        """ENDS: the segment's D into d, row o_e (by value block 0; x, the state, not read)."""
         return f"tl.store({d} + o_e * F + o_f, b_dseg, mask=m_f)" if self.decayed else ""
 
     # The decay gradient's chunk term sum_v h_c ⊙ dS [BF] (b_dgc): summed in step 4a's loop over value blocks,
@@ -463,9 +470,9 @@ class AdditiveRule:
     dg_out: str = "dg"              # step 4's decay gradient: the op's
     dg_out_dtype: str = "dg.dtype.element_ty"   # and its dtype
     values_note: str = ""           # what the written values are, in a comment
-    # whether its state passes split a sequence into segments (kernel_lib.chunked_state_segments): a
-    # segment's end state is D S + E of its start state S, D the diagonal of its decays
-    segmented: bool = True
+    # whether the state passes split a sequence into segments where the launch leaves it to the policy
+    # (kernel_lib.chunked_state_segments; launch.segments 0)
+    segment_policy: bool = True
     released_before_output: str = ""  # what ChunkedStates holds of the rule's prepare step that the output pass does not read
 
     @property
@@ -482,6 +489,11 @@ class AdditiveRule:
         """The template of the rule's pieces that need the feature map's macros (the backward's
         key_features and keys_out), which the backward imports as `rules`."""
         return self.templates + "macros.jinja"
+
+    def segments(self, decay):
+        """The hook of the state passes' segments (a segment's end state from its start state): the
+        decay's diagonal D S + E."""
+        return decay
 
     def state_values(self) -> str:
         """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
@@ -542,7 +554,7 @@ class DeltaRule(AdditiveRule):
     dg_out: str = "dg_part"
     dg_out_dtype: str = "tl.float32"
     values_note: str = " (chunked_states_kernel's U)"
-    segmented: bool = False         # its segments' end states are M S + E, M a [K, K] product of (I - β k w^T)
+    segment_policy: bool = False    # segments only where the launch asks (not yet measured faster)
     released_before_output: str = ", w=None, ai=None"
 
     def state_values(self) -> str:
@@ -553,7 +565,12 @@ class DeltaRule(AdditiveRule):
                 "# accumulator, it was a plain load in the loop that the dot waited on)\n"
                 "b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)\n"
                 "b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)\n"
-                "tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)")
+                "if not ENDS:\n"
+                "    tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)")
+
+    def segments(self, decay):
+        # a chunk maps its start state by A = Γ_C - (K ⊙ Γ_C/Γ)^T W (U = U0 - W S), a matrix
+        return TransitionSegments()
 
     def written_values(self) -> str:
         # chunked_states_kernel's U
@@ -592,6 +609,48 @@ class DeltaRule(AdditiveRule):
         return ("# [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)\n"
                 "tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), "
                 "mask=m_t[:, None] & m_f[None, :])")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionSegments:
+    """The state passes' segments with the delta rule: a chunk maps its start state S to A S + K̃^T U0, A =
+    Γ_C - (K ⊙ Γ_C/Γ)^T W (the backward's gradient by A^T), so a segment's end state is M S + E, M [F, F]
+    the product of its chunks' A and E its end state from zeros. The first launch (ENDS) runs, beside each
+    value block's E, the transition's column blocks: the same pass from the identity's columns (o_m) with
+    the values U0 (the backward's dO and dU) zero, their loads masked off as lanes past V. A kernel of its
+    own (kernel_lib.chunked_segment_starts_kernel) then walks the segments, S <- M S + E, and leaves in each
+    E's row the state the next segment starts from, which the second launch loads."""
+
+    matrix: ClassVar[bool] = True
+    segment_transition_buffer: ClassVar[str] = "torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None"
+
+    @staticmethod
+    def ends_blocks(bv: str) -> str:
+        """The ENDS launch's programs past the value blocks (at bv lanes): the transition's column blocks."""
+        return f"ceil_div(F, {bv})"
+
+    def segment_ends_start(self, x: str) -> str:
+        return ("# the transition's columns o_m, from the identity's (the value blocks' programs: o_m < 0, from zeros)\n"
+                "o_m = o_v - tl.cdiv(V, BV) * BV\n"
+                f"{x} = tl.where(o_f[:, None] == o_m[None, :], 1.0, 0.0)")
+
+    @staticmethod
+    def segment_start(x: str, e: str, row: str, first: str, mask: str) -> str:
+        """The second launch: x [BF, BV] <- the state a segment starts from, row `row` of e as
+        chunked_segment_starts_kernel left it, unless the segment is the first walked (`first`)."""
+        return (f"if not {first}:\n"
+                f"    o_e = (i_n.to(tl.int64) * NE + {row}) * H + i_h\n"
+                f"    {x} = tl.load({e} + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask={mask}, other=0.0)")
+
+    def segment_transition_start(self) -> str:
+        return ""
+
+    def segment_transition_step(self) -> str:
+        return ""
+
+    def segment_transition_store(self, d: str, x: str) -> str:
+        return ("# the transition's column block (its programs' o_m in [0, F))\n"
+                f"tl.store({d} + o_e * F * F + o_f[:, None] * F + o_m[None, :], {x}, mask=m_f[:, None] & ((o_m >= 0) & (o_m < F))[None, :])")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
-           "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
+           "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts_kernel", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
            "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
@@ -99,6 +99,17 @@ def chunked_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
         c = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
         c = tl.dot(a, b, acc, input_precision="ieee")
+    return c
+
+
+@triton.jit
+def chunked_fp32_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
+    # a @ b (+ acc) on float32 tiles at about float32's accuracy whatever the inputs' DOT_PRECISION:
+    # fp32 products where they are exact or emulated (fp64 inputs, the interpreter), else tf32x3
+    if DOT_PRECISION == "ieee" or DOT_PRECISION == "bf16_emulated" or DOT_PRECISION == "tf32_emulated":
+        c = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, acc, input_precision="tf32x3")
     return c
 
 
@@ -261,18 +272,53 @@ SEGMENT_PROGRAMS = 2 * SEGMENT_SMS
 SEGMENT_MIN_CHUNKS = 4
 
 
-def chunked_state_segments(programs, T, chunk, split=True):
+def chunked_state_segments(programs, T, chunk, segments=0, split=True, policy=True):
     """(G, SEG): the state passes' segments of each sequence, G of SEG chunks, for a pass of `programs`
-    programs per segment over sequences of T tokens. split False: one segment (G = 1), as packed
-    sequences take (their lengths are not read back to the host) and a serving cache (read and
-    written in place: the last segment's final state would overwrite the initial state another
-    segment reads)."""
+    programs per segment over sequences of T tokens. segments (the launch's): at most this many, each
+    of at least SEGMENT_MIN_CHUNKS chunks; 0, the policy above where `policy` (the rule's), else one.
+    split False: one segment (G = 1), as packed sequences take (their lengths are not read back to the
+    host) and a serving cache (read and written in place: the last segment's final state would
+    overwrite the initial state another segment reads)."""
     n = ceil_div(T, chunk)
     G = 1
-    if split and 2 * programs <= SEGMENT_SMS:
+    if split and segments:
+        G = max(1, min(segments, n // SEGMENT_MIN_CHUNKS))
+    elif split and policy and 2 * programs <= SEGMENT_SMS:
         G = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
     seg = ceil_div(n, G)
     return ceil_div(n, seg), seg
+
+
+@triton.jit
+def chunked_segment_starts_kernel(s0, e, m, NE, H: tl.constexpr, F: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
+                                  BF: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, REVERSE: tl.constexpr,
+                                  DOT_PRECISION: tl.constexpr):
+    # The delta rule's segments (hooks.TransitionSegments): segment j maps the state entering it to
+    # M_j S + E_j, M_j [F, F] in m [N, NE, H, F, F] and E_j [F, V] in e [N, NE, H, F, V] (float32), as
+    # the first launch of a state pass stored them. One program per (sequence x head, value block)
+    # walks them in order from s0 [N, H, F, VS] (or zeros; REVERSE: the last first, the backward's
+    # gradients) and writes each state it reaches over the E it came from: row j of e then holds the
+    # state leaving segment j, which the next segment starts from (the state pass's second launch).
+    # At about float32's accuracy (chunked_fp32_dot); a kernel of its own, so that the [F, F] tile
+    # takes no registers or shared memory from the state pass.
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_f, m_v = o_f < F, o_v < V
+    m_fv = m_f[:, None] & m_v[None, :]
+    b_s = tl.zeros([BF, BV], dtype=tl.float32)
+    if HAS_S0:
+        b_s += tl.load(s0 + (i_nh.to(tl.int64) * F + o_f[:, None]) * VS + o_v[None, :], mask=m_fv, other=0.0).to(tl.float32)
+    for i in range(0, NE):
+        j = i
+        if REVERSE:
+            j = NE - 1 - i
+        o_e = (i_n.to(tl.int64) * NE + j) * H + i_h
+        b_m = tl.load(m + o_e * F * F + o_f[:, None] * F + o_f[None, :], mask=m_f[:, None] & m_f[None, :], other=0.0)
+        b_e = tl.load(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
+        b_s = chunked_fp32_dot(b_m, b_s, DOT_PRECISION, b_e)
+        tl.store(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_s, mask=m_fv)
 
 
 def chunked_check_chunk(chunk):

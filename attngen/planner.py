@@ -248,6 +248,7 @@ _ALLOWED = {
     "flag": (lambda x: x in (0, 1), "0 or 1"),
     "tiles_by": (lambda x: x in (0, 1, 2), "0 (pointers), 1 (the copy engine) or 2 (the copy engine, masked tiles by pointers)"),
     "splits": (lambda x: 1 <= x <= 1024, "1 to 1024"),
+    "segments": (lambda x: 0 <= x <= 64, "0 (the rule's policy) or 1 to 64"),
 }
 
 
@@ -321,6 +322,7 @@ class ChunkedLaunch(Launch):
     output_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the output pass
     output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
+    segments: int = knob("fwd", "segments", (0, 1, 4, 8, 16), backward=True)  # the sequential passes' segments per sequence, at most (kernel_lib.chunked_state_segments; 0: the rule's policy, 1: none)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's steps 2 and 3 (its dU step and state-gradient pass)
     bwd_dq_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dq step (chunked_bwd_dq_kernel)
@@ -337,8 +339,8 @@ class ChunkedLaunch(Launch):
     TILES = (("BV", "prepare_warps"), ("states_BV", "states_warps"), ("output_BV", "output_warps"),
              ("bwd_dq_BV", "bwd_dq_warps"), ("bwd_dk_BV", "bwd_dk_warps"), ("bwd_wy_BV", "bwd_wy_warps"))
     # Knobs added since tables were first written, and the knob whose value an entry without them takes (the
-    # launch it was timed with): bwd_warps launched the dq and dk steps too
-    INHERITED = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps"}
+    # launch it was timed with): bwd_warps launched the dq and dk steps too; segments 0 is the policy they ran with
+    INHERITED = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps", "segments": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -535,7 +537,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=chunk, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
-        maxnreg=MAXNREG,
+        maxnreg=MAXNREG, segments=0,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
         bwd_dq_warps=4,
@@ -1025,9 +1027,14 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     keys = (("chunked_keys_kernel", "chunk-parallel: the featurized keys decayed to the chunk's end"),)
     in_passes = keys_in_passes(spec)
     prepare = (("chunked_ut_kernel", ut), ("chunked_wu_kernel", wu.format(""))) if delta else () if in_passes else keys
+    # a long sequence by segments (kernel_lib.chunked_state_segments): a first launch of each segment's end
+    # from zeros, then the states from them (the delta rule's segments start where kernel_lib's
+    # chunked_segment_starts_kernel walked their [F, F] transitions between the two)
+    segments = (", by segments where the launch asks or its programs leave SMs idle (a launch of their end states and "
+                + ("[F, F] transitions, kernel_lib's walk over them, then the states)" if delta else "decays, then the states)"))
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else "")
-              + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else ""))
+              + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments)
     stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
     # vector decay's output pass: the chunks within DECAY_SPAN, then the others by blocks in a kernel of their own
     vector = spec.decay == "vector"
@@ -1054,7 +1061,7 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                  ("chunked_bwd_states_kernel", "sequential over chunks at bwd_warps, one dot on the critical path: dS per chunk"
                   + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")
                   + (", the normalizer column's dz" if norm else "")
-                  + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "")))
+                  + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"

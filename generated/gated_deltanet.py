@@ -31,7 +31,8 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, chunked_solve_dot, floor_log_decay, pow2_ceil)
+                                chunked_qk_group, chunked_segment_starts_kernel, chunked_solve_dot,
+                                chunked_state_segments, floor_log_decay, pow2_ceil)
 
 SPEC_NAME = "gated_deltanet"
 SPEC_HASH = "8da2b838a7660fad"
@@ -913,6 +914,10 @@ def chunked_states_kernel(
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_ut_kernel's W, U0 (U written over it), K ⊙ Γ_C/Γ and Γ_C
+    # and segment (axis 2): the chunks [c0, c1) of SEG, kernel_lib.chunked_state_segments. ENDS: the first of two
+    # launches, each segment's end state from zeros (E into he [N, NE, H, F, V] float32; the segment's transition M [F, F], a product of the chunks',
+    # into hd [N, NE, H, F, F] by the programs past the value blocks (hooks.TransitionSegments)); the second starts
+    # a segment from the initial state and the segments before it (S <- M S + E) and stores its states
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -926,6 +931,9 @@ def chunked_states_kernel(
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    i_g = tl.program_id(2)
+    c0 = i_g * SEG
+    c1 = tl.minimum(c0 + SEG, tl.cdiv(T_seq, BT))
 
     o_i = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -947,8 +955,18 @@ def chunked_states_kernel(
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_H0 and not ENDS:
         b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
+    m_fv = m_f[:, None] & m_v[None, :]
+    if SPLIT and not ENDS:
+        # the state entering this segment (chunked_segment_starts_kernel's walk over the segments before it)
+        if not i_g == 0:
+            o_e = (i_n.to(tl.int64) * NE + i_g - 1) * H + i_h
+            b_h = tl.load(he + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
+    if ENDS:
+        # the transition's columns o_m, from the identity's (the value blocks' programs: o_m < 0, from zeros)
+        o_m = o_v - tl.cdiv(V, BV) * BV
+        b_h = tl.where(o_f[:, None] == o_m[None, :], 1.0, 0.0)
 
-    for i_c in range(0, tl.cdiv(T_seq, BT)):
+    for i_c in range(c0, c1):
         if not ENDS:
             # the chunk-start state, for the output pass: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
@@ -968,13 +986,21 @@ def chunked_states_kernel(
         # accumulator, it was a plain load in the loop that the dot waited on)
         b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
-        tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+        if not ENDS:
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_gam_C = tl.load(gc + (boc + i_c) * H + i_h)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C)
 
+    if ENDS:
+        o_e = (i_n.to(tl.int64) * NE + i_g) * H + i_h
+        tl.store(he + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_h, mask=m_fv)
+        # the transition's column block (its programs' o_m in [0, F))
+        tl.store(hd + o_e * F * F + o_f[:, None] * F + o_m[None, :], b_h, mask=m_f[:, None] & ((o_m >= 0) & (o_m < F))[None, :])
     if STORE_HT and not ENDS:
-        tl.store(ht + o_state, b_h, mask=m_state)
+        # the last segment's end: the final state
+        if i_g == tl.num_programs(2) - 1:
+            tl.store(ht + o_state, b_h, mask=m_state)
 
 
 @triton.jit
@@ -1064,7 +1090,7 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments "  # fwd
     "bwd_chunk bwd_warps bwd_dq_warps bwd_dk_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
@@ -1162,15 +1188,24 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     grid = (N * H, ceil_div(V, launch.states_BV))
-    # the delta rule's state pass in one segment (hooks.DeltaRule.segmented)
-    G, seg, he, hd, hez = 1, ceil_div(T, chunk), None, None, None
+    # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
+    # (kernel_lib.chunked_state_segments): their end states E, transitions M
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed,
+                                    policy=False)
+    he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
+    hd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
+    hez = None
     args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
             T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
                 SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages)
     if G > 1:
-        # each segment's end state E and decay D, then the states from them
-        chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
+        # each segment's end state E and transition M (by programs of their own), then the states from them
+        chunked_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.states_BV), G - 1)](*args, ENDS=True, **meta)
+        # the state entering each segment, over the E before it (hooks.TransitionSegments)
+        chunked_segment_starts_kernel[grid](initial_state, he, hd, G - 1, H, F, V, VS, BF=BF, BV=launch.states_BV,
+                                            HAS_S0=initial_state is not None, REVERSE=False,
+                                            DOT_PRECISION=meta["DOT_PRECISION"], num_warps=8, num_stages=1)
     chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
     return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
@@ -1340,6 +1375,11 @@ def chunked_bwd_states_kernel(
 ):
     # step 3, one program per (sequence x head, value block): the state gradient walked back over the
     # chunks; the loop only loads stored tiles and multiplies. V columns of the state gradient, dO, dU (in place)
+    # And segment (axis 2), walked back over its chunks [c0, c1) of SEG (kernel_lib.chunked_state_segments).
+    # ENDS: the first of two launches, each segment's gradient of its start state from zeros (E into dse
+    # [N, NE, H, F, V] float32; the segment's transition M [F, F], a product of the
+    # chunks' A^T, into dsd [N, NE, H, F, F] by the programs past the value blocks (hooks.TransitionSegments)); the second starts a segment from the final state's gradient and the segments
+    # after it (dS <- M dS + E) and stores its chunks' gradients
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -1353,6 +1393,12 @@ def chunked_bwd_states_kernel(
         boc = tl.load(chunk_offsets + i_n).to(tl.int64)
     else:
         boc = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    # the segment: ENDS' programs take segments 1 .. G - 1 (segment 0's E has no reader)
+    i_g = tl.program_id(2)
+    if ENDS:
+        i_g += 1
+    c0 = i_g * SEG
+    c1 = tl.minimum(c0 + SEG, tl.cdiv(T_seq, BT))
 
     o_i = tl.arange(0, BT)
     o_f = tl.arange(0, BF)
@@ -1364,19 +1410,27 @@ def chunked_bwd_states_kernel(
     b_dh = tl.zeros([BF, BV], dtype=tl.float32)
     if HAS_DHT and not ENDS:
         b_dh += tl.load(dht + o_state, mask=m_state, other=0.0).to(tl.float32)
+    if SPLIT and not ENDS:
+        # the gradient leaving this segment (chunked_segment_starts_kernel's walk back over the segments after it)
+        if not i_g == tl.num_programs(2) - 1:
+            o_e = (i_n.to(tl.int64) * NE + i_g) * H + i_h
+            b_dh = tl.load(dse + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_state, other=0.0)
+    if ENDS:
+        # the transition's columns o_m, from the identity's (the value blocks' programs: o_m < 0, from zeros)
+        o_m = o_v - tl.cdiv(V, BV) * BV
+        b_dh = tl.where(o_f[:, None] == o_m[None, :], 1.0, 0.0)
 
-    NT = tl.cdiv(T_seq, BT)
     # Γ_C of the loop's first chunk; each iteration loads the next chunk's before its own work (a narrow
     # load that Triton's software pipeline leaves in place, on the loop's critical path dS <- Γ_C dS + ..;
     # gated_deltanet B4 T8192 H16 K = V = 128 bf16 on the H200 at 64-token chunks: BENCHMARKS.md)
     b_gam_C_next = 0.0
-    if NT > 0:
-        b_gam_C_next = tl.load(gc + (boc + NT - 1) * H + i_h)
-    for i_r in range(0, NT):
-        i_c = NT - 1 - i_r
+    if c1 > c0:
+        b_gam_C_next = tl.load(gc + (boc + c1 - 1) * H + i_h)
+    for i_r in range(0, c1 - c0):
+        i_c = c1 - 1 - i_r
         b_gam_C = b_gam_C_next
         # (the last chunk loads its own again: a slot of this sequence)
-        b_gam_C_next = tl.load(gc + (boc + tl.maximum(i_c - 1, 0)) * H + i_h)
+        b_gam_C_next = tl.load(gc + (boc + tl.maximum(i_c - 1, c0)) * H + i_h)
         if not ENDS:
             # the gradient of the chunk-end state, for step 4: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
@@ -1394,16 +1448,24 @@ def chunked_bwd_states_kernel(
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        # (ENDS too: the delta rule's dS update reads dU; the second launch stores it)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
         if not ENDS:
-            b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO - W^T dU: the gradient of the chunk-start state
         # (the float32 dU negated, not the stored W: the interpreter holds 16-bit floats as raw bits)
         b_dh = chunked_dot(b_wt, -b_du, DOT_PRECISION, chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C))
 
+    if ENDS:
+        o_e = (i_n.to(tl.int64) * NE + i_g - 1) * H + i_h
+        tl.store(dse + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_dh, mask=m_state)
+        # the transition's column block (its programs' o_m in [0, F))
+        tl.store(dsd + o_e * F * F + o_f[:, None] * F + o_m[None, :], b_dh, mask=m_f[:, None] & ((o_m >= 0) & (o_m < F))[None, :])
     if HAS_H0 and not ENDS:
-        tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+        # the first segment's start: the initial state's gradient
+        if i_g == 0:
+            tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
 
 
 @triton.jit
@@ -1772,11 +1834,25 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    chunked_bwd_states_kernel[(N * H, ceil_div(V, launch.bwd_states_BV))](
-        st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, None, None, cu_seqlens, st.chunk_offsets, T, 0, 0, H, V, V, F,
-        HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages, ENDS=False, SPLIT=False,
-        **dict(meta, BV=launch.bwd_states_BV),
-    )
+    # by segments of seg chunks where the launch asks (kernel_lib.chunked_state_segments): their start states'
+    # gradients E and transitions M (hooks.TransitionSegments; M's column blocks by programs of their own), then
+    # the gradient leaving each
+    grid = (N * H, ceil_div(V, launch.bwd_states_BV))
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None,
+                                    policy=False)
+    dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
+    dsd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
+    args = (st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets, T, seg, G - 1, H, V, V, F)
+    kw = dict(meta, HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
+              BV=launch.bwd_states_BV, SPLIT=G > 1)
+    if G > 1:
+        chunked_bwd_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.bwd_states_BV), G - 1)](*args, ENDS=True, **kw)
+        # the gradient leaving each segment, over the E after it, the last first
+        chunked_segment_starts_kernel[grid](dht, dse, dsd, G - 1, H, F, V, V, BF=BF, BV=launch.bwd_states_BV,
+                                            HAS_S0=dht is not None, REVERSE=True, DOT_PRECISION=meta["DOT_PRECISION"],
+                                            num_warps=8, num_stages=1)
+    chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
+    del args, dse, dsd
     # W, the state keys, Γ_C and the queries of step 3 have no reader past it: their memory goes back
     # before step 4 allocates (the backward's peak: bench/peak_memory.py)
     del qg

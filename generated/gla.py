@@ -797,7 +797,7 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg "  # fwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments "  # fwd
     "bwd_chunk bwd_warps bwd_dq_warps bwd_dk_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
@@ -886,9 +886,10 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     else:
         ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
     grid = (N * H, ceil_div(V, launch.states_BV))
-    # the pass by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments):
-    # their end states E, decays D
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None and not indexed)
+    # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
+    # (kernel_lib.chunked_state_segments): their end states E, decays D
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed,
+                                    policy=True)
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
     hez = None
@@ -1532,10 +1533,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    # by segments of seg chunks where its programs leave SMs idle (kernel_lib.chunked_state_segments): their
-    # start states' gradients E, decays D
+    # by segments of seg chunks where its programs leave SMs idle, or as the launch asks
+    # (kernel_lib.chunked_state_segments): their start states' gradients E, decays D
     grid = (N * H, ceil_div(V, launch.bwd_states_BV))
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, split=cu_seqlens is None)
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None,
+                                    policy=True)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
     args = (None, st.kr, qg, st.gc, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets,

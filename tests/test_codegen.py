@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from attngen import __version__, codegen, load_spec, planner
+from attngen import __version__, codegen, kernel_lib, load_spec, planner
 from attngen.cli import main
 
 from specs import shipped, stem
@@ -132,12 +132,14 @@ def test_module_imports_the_kernel_lib_names_it_calls(spec_dict):
 
 def _launches(module, fn: str) -> list[str]:
     """The kernels a generated launcher starts, in source order (chunked_states and the output pass's
-    CHUNKED_OUTPUT_KERNELS expanded), each step once."""
+    CHUNKED_OUTPUT_KERNELS expanded), each step once; kernel_lib's kernels are parts of a step."""
     import inspect
     import re
     out = []
     pattern = r"\b(chunked_\w+_kernel)\[|(?<!def )\bchunked_states\(|\bin (CHUNKED_OUTPUT_KERNELS):"
     for m in re.finditer(pattern, inspect.getsource(getattr(module, fn))):
+        if m.group(1) in kernel_lib.__all__:
+            continue  # a helper within a step (the delta rule's segment starts between the state pass's launches)
         kernels = ([m.group(1)] if m.group(1) else [k.__name__ for k in module.CHUNKED_OUTPUT_KERNELS] if m.group(2)
                    else _launches(module, "chunked_states"))
         for kernel in kernels:
@@ -160,7 +162,7 @@ def test_explained_chunked_steps_are_the_generated_launches(spec_dict):
         return
     assert [k for k, _ in forward] == _launches(module, "chunked_fwd")
     assert [k for k, _ in backward] == (_launches(module, "chunked_bwd") if module.CHUNKED_BACKWARD else [])
-    defined = {n for n in vars(module) if n.startswith("chunked_") and n.endswith("_kernel")}
+    defined = {n for n in vars(module) if n.startswith("chunked_") and n.endswith("_kernel") and n not in kernel_lib.__all__}
     assert defined == {k for k, _ in forward + backward} | ({"chunked_output_kernel"} if forward else set())
 
 
@@ -302,8 +304,12 @@ def test_hooks_of_every_rule_and_decay():
     assert hooks.decay_hook("none").segment_carry("b_h", "hd", "E") == "b_h += E"
     assert hooks.decay_hook("vector").segment_carry("b_h", "hd", "E").splitlines()[1] == "b_h = b_h * b_dj[:, None] + E"
     assert hooks.decay_hook("constant").segment_carry_column("b_z", "e") == "b_z = b_z * b_dj + e"
-    assert [hooks.decay_hook(d).segment_decay_store("hd") == "" for d in ("none", "constant", "scalar", "vector")] == [
+    assert [hooks.decay_hook(d).segment_transition_store("hd", "b_h") == "" for d in ("none", "constant", "scalar", "vector")] == [
         True, False, False, False]
+    # the delta rule's segments: M S + E, M a matrix of its own (TransitionSegments), whatever the decay
+    segs = hooks.DeltaRule().segments(hooks.decay_hook("scalar"))
+    assert segs.matrix and not hooks.AdditiveRule().segments(hooks.decay_hook("scalar")).matrix
+    assert segs.segment_transition_step() == "" and "o_m" in segs.segment_transition_store("hd", "b_h")
     assert hooks.decay_hook("none").column_times("b_z") == "b_z" and hooks.decay_hook("scalar").column_times("b_z") == (
         "b_z * b_gam_C")
     # the recurrent backward's decay-gradient mechanism per decay: none, forward mode (constant), per token

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen, kernel_lib, planner
+from attngen import codegen, kernel_lib, planner, tuning
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, vector_gates_across_span
 
@@ -427,3 +427,49 @@ def test_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, min
     assert kernel_lib.chunked_state_segments(2, 100, 16)[0] == segments
     check(kernel_backward, SPECS[name], Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), dtype,
           seed=min_chunks)
+
+
+DELTA_SEGMENT_CASES = [(7, Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), None),
+                       (2, Shape(batch=1, q_len=100, heads=2, head_dim=40, value_dim=20), 16)]
+
+
+@pytest.mark.parametrize("segments, shape, lanes", DELTA_SEGMENT_CASES, ids=["7x1", "2x4_lanes16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "deltanet", "kda"])
+def test_delta_rules_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, segments, shape, lanes):
+    """The delta rules' state passes (the forward's, the backward's recomputation and the state gradient)
+    by segments where the launch asks (launch.segments): a segment's end state is M S + E, M [F, F] the
+    product of its chunks' transitions, run from the identity's columns by programs of their own
+    (hooks.TransitionSegments). 7 chunks of 16 in 7 segments of one (two sequences, 8 key lanes), or 2
+    of four and three at 16 value lanes a program (40 key lanes: M in three column blocks, the last
+    partial); an initial state; outputs, final state and every gradient against the interpreter, and
+    each state pass launched over the segments."""
+    monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", 1)
+    real = tuning._remembered
+
+    def forced(*args):
+        launch = dataclasses.replace(planner.ChunkedLaunch(*real(*args)), segments=segments)
+        if lanes:
+            launch = dataclasses.replace(launch, states_BV=lanes, bwd_states_BV=lanes)
+        return tuple(launch.ints())
+
+    monkeypatch.setattr(tuning, "_remembered", forced)
+    grids = []
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    for kernel in ("chunked_states_kernel", "chunked_bwd_states_kernel"):
+        real_kernel = getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real_kernel=real_kernel, kernel=kernel):
+                grids.append((kernel, grid))
+                return real_kernel[grid]
+
+        monkeypatch.setattr(module, kernel, Spy())
+    check(kernel_backward, SPECS[name], shape, dtype, seed=segments)
+    for kernel in ("chunked_states_kernel", "chunked_bwd_states_kernel"):
+        # each pass: the ends (value blocks and M's column blocks), then the states, over the segments
+        launched = [grid for k, grid in grids if k == kernel]
+        ends = [grid for grid in launched if grid[2] == segments - 1]
+        states = [grid for grid in launched if grid[2] == segments]
+        assert ends and states and all(e[1] > s[1] for e, s in zip(ends, states)), (kernel, launched)

@@ -77,7 +77,7 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
+        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
         bwd_dk_BV=128, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
     # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV)
     assert (default(call, spec=KDA).bwd_dk_BV, default(call, spec=MAMBA2).bwd_dq_BV) == (128, 32)
@@ -100,7 +100,7 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
+        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
         bwd_dk_BV=32, bwd_wy_BV=32, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
@@ -555,6 +555,21 @@ def test_a_softmax_entry_written_before_the_dkdv_split_keeps_its_one_launch():
     assert (table.stale, table.entries[0].launch) == (0, tuned) and tuned.dkdv_split == 0
     shipped = tuning.read_table(next(Path(attngen.__file__).parent.glob("tables/*.json")))
     assert shipped.stale == 0 and any(e.key.kernel == "softmax" for e in shipped.entries)
+
+
+def test_a_chunked_entry_written_before_the_segments_knob_keeps_its_policy():
+    """segments came after the shipped table's chunked entries, which were timed with the rule's
+    segment policy (kernel_lib.chunked_state_segments): such an entry reads with segments 0, the
+    policy, and is not stale."""
+    spec = attngen.load_spec(SPECS / "gated_deltanet.yaml")
+    call = Call(1, 32768, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16)
+    tuned = dataclasses.replace(planner.chunked_launch(spec, call, torch.bfloat16), states_BV=64)
+    path = tuning.record([entry(call, tuned, spec=spec, family="chunked")], FAKE)
+    data = json.loads(path.read_text())
+    del data["entries"][0]["launch"]["segments"]
+    path.write_text(json.dumps(data))
+    table = tuning.read_table(path)
+    assert (table.stale, table.entries[0].launch) == (0, tuned) and tuned.segments == 0
 
 
 @pytest.mark.parametrize("text, error", [
