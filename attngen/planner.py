@@ -1030,8 +1030,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     # a long sequence by segments (kernel_lib.chunked_state_segments): a first launch of each segment's end
     # from zeros, then the states from them (the delta rule's segments start where kernel_lib's
     # chunked_segment_starts_kernel walked their [F, F] transitions between the two)
-    segments = (", by segments where the launch asks or its programs leave SMs idle (a launch of their end states and "
-                + ("[F, F] transitions, kernel_lib's walk over them, then the states)" if delta else "decays, then the states)"))
+    segments = (", by segments where the launch asks (a launch of their end states and [F, F] transitions, kernel_lib's "
+                "walk over them, then the states)" if delta else ", by segments where the launch asks or its programs leave "
+                "SMs idle (a launch of their end states and decays, then the states)")
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else "")
               + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments)
