@@ -540,36 +540,25 @@ def test_an_entry_written_before_the_dq_and_dk_steps_had_warps_of_their_own_keep
     assert tuning.read_table(path).stale == 1
 
 
-def test_a_softmax_entry_written_before_the_dkdv_split_keeps_its_one_launch():
-    """dkdv_split came after the shipped table's softmax entries, which were timed with dk and dv in one
-    launch (planner.SoftmaxLaunch.INHERITED takes a value as well as a knob's name): such an entry reads
-    with dkdv_split 0 and is not stale; the shipped table has no stale entry."""
-    spec = attngen.load_spec(SPECS / "softmax_causal.yaml")
+@pytest.mark.parametrize("name, family, knob", [("softmax_causal", "softmax", "dkdv_split"),
+                                                ("gated_deltanet", "chunked", "segments")])
+def test_an_entry_written_before_a_knob_keeps_the_launch_it_was_timed_with(name, family, knob):
+    """Knobs that came after the shipped table's entries read, in an entry without them, as the value
+    the entry was timed with (Launch.INHERITED takes a value as well as a knob's name): dkdv_split 0
+    (dk and dv in one launch), segments 0 (the rule's segment policy). Such an entry is not stale;
+    the shipped table has no stale entry."""
+    spec = attngen.load_spec(SPECS / f"{name}.yaml")
     call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
-    tuned = planner.softmax_launch(call, torch.bfloat16, 132)
-    path = tuning.record([entry(call, tuned, spec=spec, family="softmax")], FAKE)
+    tuned = planner.default_launch(family, spec, call, torch.bfloat16, 132)
+    path = tuning.record([entry(call, tuned, spec=spec, family=family)], FAKE)
     data = json.loads(path.read_text())
-    del data["entries"][0]["launch"]["dkdv_split"]
+    del data["entries"][0]["launch"][knob]
     path.write_text(json.dumps(data))
     table = tuning.read_table(path)
-    assert (table.stale, table.entries[0].launch) == (0, tuned) and tuned.dkdv_split == 0
+    assert (table.stale, table.entries[0].launch) == (0, tuned)
+    assert getattr(tuned, knob) == planner.LAUNCHES[family].INHERITED[knob] == 0
     shipped = tuning.read_table(next(Path(attngen.__file__).parent.glob("tables/*.json")))
-    assert shipped.stale == 0 and any(e.key.kernel == "softmax" for e in shipped.entries)
-
-
-def test_a_chunked_entry_written_before_the_segments_knob_keeps_its_policy():
-    """segments came after the shipped table's chunked entries, which were timed with the rule's
-    segment policy (kernel_lib.chunked_state_segments): such an entry reads with segments 0, the
-    policy, and is not stale."""
-    spec = attngen.load_spec(SPECS / "gated_deltanet.yaml")
-    call = Call(1, 32768, 32768, 16, 128, 128, 128, 1, 32768, 0.1, False, 16)
-    tuned = dataclasses.replace(planner.chunked_launch(spec, call, torch.bfloat16), states_BV=64)
-    path = tuning.record([entry(call, tuned, spec=spec, family="chunked")], FAKE)
-    data = json.loads(path.read_text())
-    del data["entries"][0]["launch"]["segments"]
-    path.write_text(json.dumps(data))
-    table = tuning.read_table(path)
-    assert (table.stale, table.entries[0].launch) == (0, tuned) and tuned.segments == 0
+    assert shipped.stale == 0 and any(e.key.kernel == family for e in shipped.entries)
 
 
 @pytest.mark.parametrize("text, error", [
