@@ -128,11 +128,7 @@ class NoDecay:
     # segment's end state is D S + E of its start state S, D [BF] the product of its chunks' Γ_C (1 without a
     # decay), E its end state from zeros; segment o_e's D and E stored by the first launch (ENDS), read by the
     # second. (The delta rule's transition is a matrix: TransitionSegments.)
-    matrix: ClassVar[bool] = False      # whether the transition is a [F, F] matrix (a diagonal here)
-
-    def segment_ends_start(self, x: str) -> str:
-        """ENDS: x [BF, BV], a segment's start for its E (zeros, as initialized)."""
-        return ""
+    matrix: ClassVar[bool] = False      # whether the transition is a [F, F] matrix (a diagonal here: E starts from zeros)
 
     def segment_carry(self, x: str, d: str, e: str) -> str:
         """x [BF, BV] <- D x + e, D segment o_e's decay from d (b_dj, for segment_carry_column too)."""

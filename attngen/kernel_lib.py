@@ -24,7 +24,7 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
-           "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts_kernel", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
+           "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
            "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
@@ -319,6 +319,15 @@ def chunked_segment_starts_kernel(s0, e, m, NE, H: tl.constexpr, F: tl.constexpr
         b_e = tl.load(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
         b_s = chunked_fp32_dot(b_m, b_s, DOT_PRECISION, b_e)
         tl.store(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_s, mask=m_fv)
+
+
+def chunked_segment_starts(s0, e, m, grid, H, F, V, VS, BF, BV, DOT_PRECISION, reverse):
+    """Launch chunked_segment_starts_kernel over a state pass's grid (sequences x heads, value blocks): e
+    [N, G - 1, H, F, V] and m [N, G - 1, H, F, F] as its first launch stored them, s0 the state the walk
+    starts from or None. Eight warps and one stage: the [F, F] tile spread over twice the threads,
+    no loads in flight beside it (ptxas at K = V = 128 bf16: 152 B spilled, 64 KB of shared memory)."""
+    chunked_segment_starts_kernel[grid](s0, e, m, e.shape[1], H, F, V, VS, BF=BF, BV=BV, HAS_S0=s0 is not None,
+                                        REVERSE=reverse, DOT_PRECISION=DOT_PRECISION, num_warps=8, num_stages=1)
 
 
 def chunked_check_chunk(chunk):

@@ -31,8 +31,8 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, chunked_segment_starts_kernel, chunked_solve_dot,
-                                chunked_state_segments, floor_log_decay, pow2_ceil)
+                                chunked_qk_group, chunked_segment_starts, chunked_solve_dot, chunked_state_segments,
+                                floor_log_decay, pow2_ceil)
 
 SPEC_NAME = "gated_deltanet"
 SPEC_HASH = "8da2b838a7660fad"
@@ -1203,9 +1203,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         # each segment's end state E and transition M (by programs of their own), then the states from them
         chunked_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.states_BV), G - 1)](*args, ENDS=True, **meta)
         # the state entering each segment, over the E before it (hooks.TransitionSegments)
-        chunked_segment_starts_kernel[grid](initial_state, he, hd, G - 1, H, F, V, VS, BF=BF, BV=launch.states_BV,
-                                            HAS_S0=initial_state is not None, REVERSE=False,
-                                            DOT_PRECISION=meta["DOT_PRECISION"], num_warps=8, num_stages=1)
+        chunked_segment_starts(initial_state, he, hd, grid, H, F, V, VS, BF, launch.states_BV, meta["DOT_PRECISION"],
+                               reverse=False)
     chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
     return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
 
@@ -1448,7 +1447,7 @@ def chunked_bwd_states_kernel(
         # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        # (ENDS too: the delta rule's dS update reads dU; the second launch stores it)
+        # (ENDS too, where the rule's dS update reads dU, as the delta rule's does; only the second launch stores it)
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
         if not ENDS:
@@ -1848,9 +1847,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     if G > 1:
         chunked_bwd_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.bwd_states_BV), G - 1)](*args, ENDS=True, **kw)
         # the gradient leaving each segment, over the E after it, the last first
-        chunked_segment_starts_kernel[grid](dht, dse, dsd, G - 1, H, F, V, V, BF=BF, BV=launch.bwd_states_BV,
-                                            HAS_S0=dht is not None, REVERSE=True, DOT_PRECISION=meta["DOT_PRECISION"],
-                                            num_warps=8, num_stages=1)
+        chunked_segment_starts(dht, dse, dsd, grid, H, F, V, V, BF, launch.bwd_states_BV, meta["DOT_PRECISION"], reverse=True)
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
     del args, dse, dsd
     # W, the state keys, Γ_C and the queries of step 3 have no reader past it: their memory goes back

@@ -1068,9 +1068,10 @@ def chunked_bwd_states_kernel(
         # [BT, BV] dU = (step 2's P^T dO) + K̂ dS; the stored part is added to the product,
         # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        # (ENDS too, where the rule's dS update reads dU, as the delta rule's does; only the second launch stores it)
+        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
         if not ENDS:
-            b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION)
             tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- dS + Q̂^T dO: the gradient of the chunk-start state
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh)
