@@ -200,6 +200,23 @@ def _shapes(text: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("--shapes: ")) from None
 
 
+def _knobs(text: str) -> dict[str, int]:
+    """--seed: knob=value,... of a launch dataclass (planner.LAUNCHES); the spec's family checks the names."""
+    from . import planner
+    names = {n for cls in planner.LAUNCHES.values() for n in cls.knobs()}
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if name not in names:
+            raise argparse.ArgumentTypeError(f"{name!r} is no launch knob; knobs: {', '.join(sorted(names))}")
+        if not sep or not value.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected knob=value with an integer value")
+        knobs[name] = int(value)
+    if not knobs:
+        raise argparse.ArgumentTypeError(f"expected knob=value,... (e.g. dq_BM=64,dq_warps=8), got {text!r}")
+    return knobs
+
+
 def _shape_list(text: str) -> list:
     """One shape, or a named set of them (SHAPE_SETS)."""
     return [_shapes(t) for t in SHAPE_SETS[text]] if text in SHAPE_SETS else [_shapes(text)]
@@ -256,7 +273,8 @@ def cmd_tune(args) -> int:
                 report(f"{spec.name}: in the table already, skipped (--missing): {' '.join(skipped)}")
             shapes = [s for s in shapes if format_shape(s) not in done]
         if shapes:
-            tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget)
+            tuning.tune(spec, shapes, dtype, "cuda", report=report, directory=args.out, budget_s=args.budget,
+                        seeds=tuple(args.seed or ()))
     return 0
 
 
@@ -325,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=_seconds, default=None, metavar="SECONDS",
                    help="seconds of search per spec and shape, shared by its passes (forward, backward), after "
                         "which the best launch so far stands")
+    p.add_argument("--seed", type=_knobs, action="append", metavar="KNOB=VALUE,...",
+                   help="a launch the search also times at the start, as these knobs over each shape's default "
+                        "(e.g. a bench/probe_launch.py winner); repeatable")
     p.add_argument("--missing", action="store_true",
                    help="only the shapes the table in --out holds no entry of for the spec (its hash) and dtype: "
                         "resumes a refill")

@@ -466,9 +466,6 @@ class AdditiveRule:
     dg_out: str = "dg"              # step 4's decay gradient: the op's
     dg_out_dtype: str = "dg.dtype.element_ty"   # and its dtype
     values_note: str = ""           # what the written values are, in a comment
-    # whether the state passes split a sequence into segments where the launch leaves it to the policy
-    # (kernel_lib.chunked_state_segments; launch.segments 0)
-    segment_policy: bool = True
     released_before_output: str = ""  # what ChunkedStates holds of the rule's prepare step that the output pass does not read
 
     @property
@@ -550,7 +547,6 @@ class DeltaRule(AdditiveRule):
     dg_out: str = "dg_part"
     dg_out_dtype: str = "tl.float32"
     values_note: str = " (chunked_states_kernel's U)"
-    segment_policy: bool = False    # segments only where the launch asks (not yet measured faster)
     released_before_output: str = ", w=None, ai=None"
 
     def state_values(self) -> str:

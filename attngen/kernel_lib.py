@@ -272,10 +272,10 @@ SEGMENT_PROGRAMS = 2 * SEGMENT_SMS
 SEGMENT_MIN_CHUNKS = 4
 
 
-def chunked_state_segments(programs, T, chunk, segments=0, split=True, policy=True):
+def chunked_state_segments(programs, T, chunk, segments=0, split=True):
     """(G, SEG): the state passes' segments of each sequence, G of SEG chunks, for a pass of `programs`
     programs per segment over sequences of T tokens. segments (the launch's): at most this many, each
-    of at least SEGMENT_MIN_CHUNKS chunks; 0, the policy above where `policy` (the rule's), else one.
+    of at least SEGMENT_MIN_CHUNKS chunks; 0, the policy above.
     split False: one segment (G = 1), as packed sequences take (their lengths are not read back to the
     host) and a serving cache (read and written in place: the last segment's final state would
     overwrite the initial state another segment reads)."""
@@ -283,7 +283,7 @@ def chunked_state_segments(programs, T, chunk, segments=0, split=True, policy=Tr
     G = 1
     if split and segments:
         G = max(1, min(segments, n // SEGMENT_MIN_CHUNKS))
-    elif split and policy and 2 * programs <= SEGMENT_SMS:
+    elif split and 2 * programs <= SEGMENT_SMS:
         G = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
     seg = ceil_div(n, G)
     return ceil_div(n, seg), seg

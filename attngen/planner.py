@@ -248,7 +248,7 @@ _ALLOWED = {
     "flag": (lambda x: x in (0, 1), "0 or 1"),
     "tiles_by": (lambda x: x in (0, 1, 2), "0 (pointers), 1 (the copy engine) or 2 (the copy engine, masked tiles by pointers)"),
     "splits": (lambda x: 1 <= x <= 1024, "1 to 1024"),
-    "segments": (lambda x: 0 <= x <= 64, "0 (the rule's policy) or 1 to 64"),
+    "segments": (lambda x: 0 <= x <= 64, "0 (the policy: kernel_lib.chunked_state_segments) or 1 to 64"),
 }
 
 
@@ -701,30 +701,8 @@ def fit_softmax(call: Call, launch: SoftmaxLaunch, dtype: torch.dtype) -> Softma
 def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms: int) -> Launch:
     """The default launch of a kernel family (LAUNCHES) for a call on a GPU of `sms` multiprocessors."""
     if family == "chunked":
-        return fill_programs(family, spec, call, chunked_launch(spec, call, dtype), sms)
+        return chunked_launch(spec, call, dtype)
     return softmax_launch(call, dtype, sms)
-
-
-def fill_programs(family: str, spec: Spec, call: Call, launch: Launch, sms: int) -> Launch:
-    """A launch taken to a call it was not tuned for (the default, or a table's entry for the
-    nearest bucket) with the delta rules' sequential state passes (forward and backward: one
-    program per sequence, head and value block, each walking every chunk) split into narrower
-    value blocks while twice their programs still fit in one wave of `sms` multiprocessors.
-    gated_deltanet B1 T32768 H16 K = V = 128 bf16 on the H200 (bench/probe_launch.py, BENCHMARKS.md
-    2026-12-04, third run): both passes by 16 lanes (128 programs) against the B4 T8192 entry's 64
-    and 32 (32 and 64 programs), fwd 1.746 -> 1.368 ms, fwd+bwd 7.528 -> 6.500 (the forward state
-    pass 2441 -> 1575 us). Not the additive rules: their state pass reloads the chunk's keys per
-    value block and is no longer latency-bound (mamba2 there 2.395 -> 3.333 ms at 16 lanes)."""
-    if family != "chunked" or spec.update != "delta":
-        return launch
-    rows = call.num_seqs * call.heads * lanes(call.value_dim)
-
-    def narrowed(BV: int) -> int:
-        while BV > 16 and 2 * rows // BV <= sms:
-            BV //= 2
-        return BV
-    return dataclasses.replace(launch, states_BV=narrowed(launch.states_BV),
-                               bwd_states_BV=narrowed(launch.bwd_states_BV))
 
 
 def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: Launch,
@@ -1030,9 +1008,8 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     # a long sequence by segments (kernel_lib.chunked_state_segments): a first launch of each segment's end
     # from zeros, then the states from them (the delta rule's segments start where kernel_lib's
     # chunked_segment_starts_kernel walked their [F, F] transitions between the two)
-    segments = (", by segments where the launch asks (a launch of their end states and [F, F] transitions, kernel_lib's "
-                "walk over them, then the states)" if delta else ", by segments where the launch asks or its programs leave "
-                "SMs idle (a launch of their end states and decays, then the states)")
+    segments = (", by segments where the launch asks or its programs leave SMs idle (a launch of their end states and "
+                + ("[F, F] transitions, kernel_lib's walk over them" if delta else "decays") + ", then the states)")
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else "")
               + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments)

@@ -8,8 +8,9 @@ a JSON file for one GPU, compute capability and Triton version: shipped with the
 default $ATTNGEN_CACHE/tune; it overrides a shipped entry of the same key). Its entries are keyed by
 kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUDA device:
 - a hit is used, with no search;
-- a miss takes the nearest tuned bucket of the same head dims (the delta rules' state passes
-  narrowed to fill the GPU, planner.fill_programs), else the planner's default, and
+- a miss takes the nearest tuned bucket of the same head dims (whose state passes split a long
+  sequence where their programs leave SMs idle: kernel_lib.chunked_state_segments), else the
+  planner's default, and
   warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
   searches instead (seconds to minutes, once: the winner is written to the user's table);
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
@@ -364,11 +365,10 @@ def nearest(want: Key, keys) -> Key | None:
 
 
 def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
-            chunk: int | None = None, search: Callable[[], Entry] | None = None, *, sms: int) -> Chosen:
+            chunk: int | None = None, search: Callable[[], Entry] | None = None) -> Chosen:
     """The launch of a call on a machine from its tables (the module docstring's rules). default:
     the planner's; search: runs the search of this call's bucket and returns its entry (called on a
-    miss with ATTNGEN_AUTOTUNE=1); sms: the GPU's multiprocessors, which a nearest bucket's launch
-    is filled to (planner.fill_programs)."""
+    miss with ATTNGEN_AUTOTUNE=1)."""
     fit = functools.partial(planner.fit_launch, family, spec, call, dtype, chunk=chunk)
     want = key(spec, family, call, dtype)
     found = tables(mach)
@@ -381,8 +381,7 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
     near = nearest(want, found)
     if near:
         entry, path = found[near]
-        chosen = Chosen(fit(launch=planner.fill_programs(family, spec, call, entry.launch, sms)),
-                        f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
+        chosen = Chosen(fit(launch=entry.launch), f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
     else:
         chosen = Chosen(fit(launch=default), f"default (no tuned {family} launch for this bucket)")
     if chunk is None:
@@ -403,7 +402,7 @@ def choose(spec: Spec, family: str, call: Call, dtype: torch.dtype, device: torc
         return Chosen(planner.fit_launch(family, spec, call, dtype, default, chunk),
                       f"default (no tuning tables off CUDA: {torch.device(device).type} tensors)")
     search = functools.partial(_search_call, spec, call, dtype, device, mach)
-    return resolve(spec, family, call, dtype, mach, default, chunk, search, sms=multiprocessors(device))
+    return resolve(spec, family, call, dtype, mach, default, chunk, search)
 
 
 # Call's fields in order: a call travels to _launch_ints as the tuple of their values.
@@ -503,7 +502,8 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     timed). prepare(launches, pass),
     when given, runs before a knob's new launches are timed, with all of them (e.g. to compile
     their kernels side by side); what it leaves undone, measure does. seeds: launches timed in each
-    pass beside the default (fitted; the table's entry being searched again, and its nearest bucket's):
+    pass beside the default (fitted; those `attngen tune --seed` gives, the table's entry being searched
+    again, and its nearest bucket's):
     one that is faster is the best so far, so that a search never ends on a launch slower than the entry
     it replaces or the one the runtime would take without it."""
     cls = type(default)
@@ -538,7 +538,7 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         for seed in dict.fromkeys(fit(seed) for seed in seeds):
             if seed not in seen:
                 seen.add(seed)
-                ms = trial(seed, pass_, f"{pass_} [from the table]")
+                ms = trial(seed, pass_, f"{pass_} [seed]")
                 if ms < best_ms[pass_]:
                     best, best_ms[pass_] = seed, ms
         values_of = lambda name: cls.__dataclass_fields__[name].metadata["search"]  # noqa: E731
@@ -623,13 +623,15 @@ def do_bench_graph(fn: Callable[[], object]) -> float:
 
 def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | str, *, mach: Machine | None = None,
          timer: Callable[[Callable[[], object]], float] | None = None, report: Callable[[str], None] = print,
-         directory: Path | None = None, budget_s: float | None = None) -> list[Entry]:
+         directory: Path | None = None, budget_s: float | None = None,
+         seeds: tuple[dict[str, int], ...] = ()) -> list[Entry]:
     """Search the launch of a spec's kernels (with knobs) at each shape (testing.Shape) and write each
     shape's winner into the machine's table in `directory` (default: the user's) once its search
     ends, so that a later shape's failure (an illegal address ends the process's CUDA context) keeps
     the earlier ones. mach: the machine the table is for (default: the device's); timer(fn) ->
     milliseconds (default do_bench; do_bench_graph for a decode shape, fewer queries than keys);
-    budget_s: seconds of search per shape (search())."""
+    budget_s: seconds of search per shape (search()); seeds: knobs over each shape's default, launches
+    the search times at its start beside the table's (`attngen tune --seed`)."""
     from . import runtime
     from .testing import LOWP_FACTOR, LOWP_FLOOR, bench_inputs, format_shape
 
@@ -639,6 +641,12 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
     if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
                                  or not 0 <= budget_s < math.inf):
         raise ValueError(f"budget_s: expected seconds, a finite number >= 0, or None; got {budget_s!r}")
+    cls = planner.LAUNCHES[family]
+    for knobs in seeds:
+        bad = sorted(set(knobs) - set(cls.knobs()))
+        if bad:
+            raise ValueError(f"seeds: {', '.join(bad)} is no {cls.__name__} knob (spec {spec.name!r}); "
+                             f"knobs: {', '.join(cls.knobs())}")
     mach = mach or machine(device)
     if mach is None:
         raise ValueError(f"device: tuning tables are per CUDA GPU; got {torch.device(device).type} tensors")
@@ -662,9 +670,9 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         prepare = _compiler(module, run.args) if run.args and compiling.applies(torch.device(device)) else None
         timed = ("fwd",) if decode else passes
         key_ = key(spec, family, call, dtype)
-        seeds = _seeds(directory or tune_dir(), mach, key_,
-                       lambda launch: planner.fill_programs(family, spec, call, launch, multiprocessors(device)))
-        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare, seeds=seeds)
+        given = tuple(dataclasses.replace(default, **knobs) for knobs in seeds)
+        found = search(default, fit, measure, timed, report, budget_s=budget_s, prepare=prepare,
+                       seeds=given + _seeds(directory or tune_dir(), mach, key_))
         entries.append(Entry(key_, spec.name, found.best, format_shape(shape),
                              _rounded(found.best_ms), _rounded(found.default_ms)))
         report(f"  {len(found.trials)} launches timed in {time.time() - start:.0f} s")
@@ -682,12 +690,11 @@ def tuned_shapes(spec: Spec, dtype: torch.dtype, mach: Machine, directory: Path 
     return {e.shape for e in read_table(path).entries if e.key.spec_hash == spec.hash and e.key.dtype == dtype_name(dtype)}
 
 
-def _seeds(directory: Path, mach: Machine, key_: Key,
-           fill: Callable[[planner.Launch], planner.Launch]) -> tuple[planner.Launch, ...]:
+def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, ...]:
     """The launches a search of key_'s shape starts beside the default, from the machine's table in
-    `directory`: the entry it replaces, and the nearest tuned bucket's launch filled to the GPU (fill:
-    planner.fill_programs), the one resolve() gives this shape without an entry; none where there is no
-    table, or one this version cannot read (record() then says so)."""
+    `directory`: the entry it replaces, and the nearest tuned bucket's launch, the one resolve() gives
+    this shape without an entry; none where there is no table, or one this version cannot read
+    (record() then says so)."""
     path = directory / mach.file_name()
     try:
         entries = read_table(path).entries if path.exists() else ()
@@ -695,7 +702,7 @@ def _seeds(directory: Path, mach: Machine, key_: Key,
         return ()
     by_key = {e.key: e.launch for e in entries}
     near = nearest(key_, by_key)
-    return ((by_key[key_],) if key_ in by_key else ()) + ((fill(by_key[near]),) if near else ())
+    return ((by_key[key_],) if key_ in by_key else ()) + ((by_key[near],) if near else ())
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:

@@ -1089,8 +1089,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     grid = (N * H, ceil_div(V, launch.states_BV))
     # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
     # (kernel_lib.chunked_state_segments): their end states E, transitions M
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed,
-                                    policy=False)
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed)
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
     hez = None
@@ -1652,12 +1651,12 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
-    # by segments of seg chunks where the launch asks (kernel_lib.chunked_state_segments): their start states'
+    # by segments of seg chunks where its programs leave SMs idle, or as the launch asks
+    # (kernel_lib.chunked_state_segments): their start states'
     # gradients E and transitions M (hooks.TransitionSegments; M's column blocks by programs of their own), then
     # the gradient leaving each
     grid = (N * H, ceil_div(V, launch.bwd_states_BV))
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None,
-                                    policy=False)
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
     args = (st.w, st.kr, qg, st.gc, do, dht, du, du, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets, T, seg, G - 1, H, V, V, F)

@@ -836,8 +836,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     grid = (N * H, ceil_div(V, launch.states_BV))
     # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
     # (kernel_lib.chunked_state_segments): their end states E and normalizer columns
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed,
-                                    policy=True)
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed)
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = None
     hez = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
@@ -1332,8 +1331,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # by segments of seg chunks where its programs leave SMs idle, or as the launch asks
     # (kernel_lib.chunked_state_segments): their start states' gradients E and normalizer columns
     grid = (N * H, ceil_div(V, launch.bwd_states_BV))
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None,
-                                    policy=True)
+    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = None
     dsez = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None

@@ -177,6 +177,11 @@ def test_tune_missing_skips_the_shapes_in_the_table(monkeypatch, tmp_path, capsy
     (["tune", "specs/gla.yaml", "--budget", "-1"], "argument --budget: expected seconds, a finite number >= 0, got '-1'"),
     (["tune", "specs/gla.yaml", "--budget", "nan"], "argument --budget: expected seconds, a finite number >= 0, got 'nan'"),
     (["tune", "specs/gla.yaml", "--budget", "ten"], "argument --budget: expected seconds, a finite number >= 0, got 'ten'"),
+    (["tune", "specs/gla.yaml", "--seed", "dq_bm=64"], "argument --seed: 'dq_bm' is no launch knob; knobs: BM, BN, BV,"),
+    (["tune", "specs/gla.yaml", "--seed", "bwd_warps=eight"], "argument --seed: 'bwd_warps=eight': expected knob=value "
+                                                              "with an integer value"),
+    (["tune", "specs/gla.yaml", "--seed", ","], "argument --seed: expected knob=value,... (e.g. dq_BM=64,dq_warps=8), "
+                                                "got ','"),
     (["bench", "specs/gla.yaml", "--vs", "fla,xformers"], "argument --vs: xformers is not a baseline; allowed: fla, "
                                                           "sdpa, flex"),
     (["bench", "specs/gla.yaml", "--shapes", "1,8,6,4,4,8,4"], "H_kv = 4 must divide H = 6"),

@@ -257,13 +257,11 @@ def test_state_segments_policy():
     assert kernel_lib.chunked_state_segments(kernel_lib.SEGMENT_SMS // 2 + 1, 32768, 64) == (1, 512)
     assert kernel_lib.chunked_state_segments(128, 8192, 64) == (1, 128)
     assert kernel_lib.chunked_state_segments(1, 64 * (2 * kernel_lib.SEGMENT_MIN_CHUNKS - 1), 64)[0] == 1
-    # the launch's segments (at most that many, of at least SEGMENT_MIN_CHUNKS chunks), whatever the programs;
-    # without them, one where the rule has no policy (the delta rules: policy False)
+    # the launch's segments (at most that many, of at least SEGMENT_MIN_CHUNKS chunks), whatever the programs
     assert kernel_lib.chunked_state_segments(128, 32768, 64, 8) == (8, 64)
     assert kernel_lib.chunked_state_segments(32, 32768, 64, 1) == (1, 512)
     assert kernel_lib.chunked_state_segments(1, 64 * 10, 64, 16) == (2, 5)
     assert kernel_lib.chunked_state_segments(32, 32768, 64, 8, split=False) == (1, 512)
-    assert kernel_lib.chunked_state_segments(32, 32768, 64, policy=False) == (1, 512)
     for programs in (1, 7, 32, 66):
         G, seg = kernel_lib.chunked_state_segments(programs, 32768 - 5, 64)
         assert G > 1 and (G - 1) * seg < 512 <= G * seg and programs * (G - 1) < kernel_lib.SEGMENT_PROGRAMS

@@ -59,7 +59,7 @@ def default(call: Call, dtype=torch.bfloat16, spec=GDN) -> planner.ChunkedLaunch
 
 
 def resolve(call: Call, dtype=torch.bfloat16, chunk=None, search=None, mach=FAKE, spec=GDN) -> tuning.Chosen:
-    return tuning.resolve(spec, "chunked", call, dtype, mach, default(call, dtype, spec), chunk, search, sms=SMS)
+    return tuning.resolve(spec, "chunked", call, dtype, mach, default(call, dtype, spec), chunk, search)
 
 
 def no_search():
@@ -404,28 +404,17 @@ def test_a_miss_takes_the_nearest_bucket_and_warns_once_with_the_command():
         assert resolve(linear_call(T=8192, B=16)).launch == near
 
 
-def test_the_delta_rules_state_passes_fill_the_gpu_where_no_entry_was_tuned():
-    """A launch not tuned for its call (the default, or the nearest bucket's) narrows the delta
-    rules' state passes' value blocks while twice their programs fit in one wave of the GPU's
-    multiprocessors; a hit is taken as tuned, and the additive rules keep theirs."""
-    def fill(call, spec=GDN, sms=SMS):
-        return planner.default_launch("chunked", spec, call, torch.bfloat16, sms)
-    # B4 H16 V128 (64 rows of 128 lanes): 128 programs at 64 lanes, already a wave
-    assert (fill(linear_call()).states_BV, fill(linear_call()).bwd_states_BV) == (64, 32)
-    # B1: 16 lanes (128 programs); B2: 32 (128); never below 16; on a GPU of 32 multiprocessors less
-    assert (fill(linear_call(B=1)).states_BV, fill(linear_call(B=1)).bwd_states_BV) == (16, 16)
-    assert fill(linear_call(B=2)).states_BV == 32 and fill(linear_call(B=1, H=2)).states_BV == 16
-    assert fill(linear_call(B=1), sms=32).states_BV == 64
-    assert fill(linear_call(B=1), spec=KDA).states_BV == 16
-    assert fill(linear_call(B=1), spec=MAMBA2).states_BV == 64
-    # the B4 T8192 entry taken at B1 T32768 (its nearest bucket) is filled; the entry itself is not
-    tuned = dataclasses.replace(default(linear_call()), states_BV=64, bwd_states_BV=64)
+def test_a_nearest_bucket_launch_is_taken_as_tuned():
+    """A launch tuned for the nearest bucket is taken as it is, value blocks included: a long single
+    sequence fills the GPU by segments of its state passes (kernel_lib.chunked_state_segments), not
+    by narrower value blocks."""
+    tuned = dataclasses.replace(default(linear_call()), states_BV=64, bwd_states_BV=32)
     tuning.record([entry(linear_call(), tuned)], FAKE)
     with pytest.warns(UserWarning, match="nearest tuned bucket"):
-        near = resolve(linear_call(B=1, T=32768)).launch
-    assert (near.states_BV, near.bwd_states_BV) == (16, 16)
-    assert dataclasses.replace(near, states_BV=64, bwd_states_BV=64) == tuned
+        assert resolve(linear_call(B=1, T=32768)).launch == tuned
     assert resolve(linear_call()).launch == tuned
+    # the default too: the planner's, whatever the GPU's multiprocessors
+    assert planner.default_launch("chunked", GDN, linear_call(B=1), torch.bfloat16, 32) == default(linear_call(B=1))
 
 
 def test_a_held_chunk_takes_the_table_silently():
@@ -759,7 +748,7 @@ def test_tune_on_the_interpreter_writes_a_table_the_runtime_then_hits(monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         chosen = tuning.resolve(spec, "chunked", call, torch.float32, FAKE,
-                                planner.chunked_launch(spec, call, torch.float32), search=no_search, sms=SMS)
+                                planner.chunked_launch(spec, call, torch.float32), search=no_search)
     assert chosen.launch == got.launch
 
 
@@ -943,7 +932,7 @@ def test_tune_seeds_the_search_with_the_entry_it_replaces_and_the_nearest(monkey
     tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
     assert seeds[0] == () and [s.chunk for s in seeds[1]] == [16]
     # another shape of the same head dims within the nearest-bucket range: the nearest entry's launch
-    # filled to the GPU (what the runtime takes there without an entry), which a search also times
+    # (what the runtime takes there without an entry), which a search also times
     tuning.tune(spec, [Shape(batch=1, q_len=100, heads=2, head_dim=16, value_dim=16)], torch.float32, "cpu",
                 mach=FAKE, report=lambda line: None, directory=tmp_path)
     assert [s.chunk for s in seeds[2]] == [16]
@@ -953,8 +942,33 @@ def test_tune_seeds_the_search_with_the_entry_it_replaces_and_the_nearest(monkey
     assert seeds[3] == ()
     # a table it cannot read holds no seed (writing the entry then reports the table's error)
     (tmp_path / FAKE.file_name()).write_text("not json")
-    assert tuning._seeds(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16)),
-                         lambda launch: launch) == ()
+    assert tuning._seeds(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16))) == ()
+
+
+def test_tune_times_the_launches_given_as_seeds_first(monkeypatch, tmp_path):
+    """`attngen tune --seed knob=value,...`: launches over each shape's default the search times at its
+    start, before the table's; a knob of another launch family is a clear error naming it."""
+    spec = attngen.load_spec(SPECS / "mamba2.yaml")
+    shape = Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)
+    seeds = []
+
+    def search(default, fit, measure, passes, report, budget_s=None, prepare=None, **kw):
+        seeds.append(kw["seeds"])
+        return tuning.Found(default, (), {p: 1.0 for p in passes}, {p: 1.0 for p in passes})
+
+    monkeypatch.setattr(tuning, "search", search)
+    tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path,
+                seeds=({"bwd_warps": 8}, {"output_warps": 2, "segments": 4}))
+    tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path,
+                seeds=({"bwd_warps": 8},))
+    (given, other), (again, entry_) = seeds
+    assert given.bwd_warps == 8 and (other.output_warps, other.segments) == (2, 4)
+    assert dataclasses.replace(given, bwd_warps=other.bwd_warps, output_warps=2, segments=4) == other
+    assert again == given and entry_ != given
+    with pytest.raises(ValueError, match="seeds: dq_BM is no ChunkedLaunch knob .*'mamba2'"):
+        tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, directory=tmp_path, seeds=({"dq_BM": 64},))
+    with pytest.raises(ValueError, match="ChunkedLaunch.bwd_warps: 3 is not allowed"):
+        tuning.tune(spec, [shape], torch.float32, "cpu", mach=FAKE, directory=tmp_path, seeds=({"bwd_warps": 3},))
 
 
 @pytest.mark.parametrize("bwd_at_32", [21.0, 19.9])
