@@ -255,12 +255,16 @@ def chunked_blocks(K, F, launch):
     return max(16, pow2_ceil(K)), max(16, pow2_ceil(F)), launch.BV
 
 
-# The sequential state passes of the additive rules split each sequence into segments of chunks
-# where their programs (one per sequence x head and value block) leave most SMs idle: a single long
-# sequence at B1 H16 runs 32 programs on the H200's 132 SMs. Each segment's end state is linear in
-# its start state, S_end = D S_start + E (D the segment's decay, E its own end state from zeros): a
+# The sequential state passes split each sequence into segments of chunks where their programs (one
+# per sequence x head and value block) leave most SMs idle: a single long sequence at B1 H16 runs 32
+# programs on the H200's 132 SMs. Each segment's end state is linear in its start state: for the
+# additive rules S_end = D S_start + E (D the segment's decay, E its own end state from zeros), a
 # first launch computes every segment's E and D, a second starts each segment from the initial state
 # and the E, D before it (a scan over the segments, in registers) and stores its chunk-start states.
+# For the delta rules S_end = M S_start + E with M [K, K], walked between the launches by
+# chunked_segment_starts_kernel; gated_deltanet B1 T32768 H16 bf16 at 8 segments of 64 value lanes,
+# against one of 16 lanes: fwd+bwd 6.110 -> 5.213 ms, deltanet 5.192 -> 4.665, the forward 1.261 ->
+# 1.277 and 1.122 -> 1.181 (BENCHMARKS.md 2026-12-05, fourth run).
 # bf16 B1 T32768 H16 K = V = 128 on the H200 (BENCHMARKS.md 2026-12-03), fwd+bwd at 9 segments against 1:
 # mamba2 4.197 -> 2.645 ms, retnet 4.128 -> 2.561, linear_transformer 5.944 -> 4.278, gla 11.781 ->
 # 6.397. Not at B4 T8192 (128 programs), where 3 segments measured slower (mamba2 2.369 -> 2.434,
