@@ -24,7 +24,8 @@ from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 # what a generated module may import (codegen imports in each the names its code calls)
 __all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
-           "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
+           "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel",
+           "chunked_segment_transition", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
            "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
@@ -269,8 +270,10 @@ def chunked_blocks(K, F, launch):
 # mamba2 4.197 -> 2.645 ms, retnet 4.128 -> 2.561, linear_transformer 5.944 -> 4.278, gla 11.781 ->
 # 6.397. Not at B4 T8192 (128 programs), where 3 segments measured slower (mamba2 2.369 -> 2.434,
 # linear_transformer 3.580 -> 3.862; the forward slower for every spec): a split only where the
-# programs are at most half the SMs, into SEGMENT_PROGRAMS / programs segments of at least
-# SEGMENT_MIN_CHUNKS chunks.
+# programs are at most half the SMs, into as many segments of at least SEGMENT_MIN_CHUNKS chunks as
+# keep them within SEGMENT_PROGRAMS, one wave of two programs per SM. At B1 T32768 H16 bf16 on the
+# H100, 32 programs: 8 segments (256 programs) against 9 (288, past the wave): gated_deltanet fwd+bwd
+# 6.319 -> 5.990 ms, mamba2 3.031 -> 2.921 (BENCHMARKS.md 2026-12-05, fourth run).
 SEGMENT_SMS = 132
 SEGMENT_PROGRAMS = 2 * SEGMENT_SMS
 SEGMENT_MIN_CHUNKS = 4
@@ -288,50 +291,77 @@ def chunked_state_segments(programs, T, chunk, segments=0, split=True):
     if split and segments:
         G = max(1, min(segments, n // SEGMENT_MIN_CHUNKS))
     elif split and 2 * programs <= SEGMENT_SMS:
-        G = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), n // SEGMENT_MIN_CHUNKS))
+        G = max(1, min(SEGMENT_PROGRAMS // programs, n // SEGMENT_MIN_CHUNKS))
     seg = ceil_div(n, G)
     return ceil_div(n, seg), seg
 
 
 @triton.jit
+def chunked_segment_transition(b_s, p_m, p_s, stride, o_f, m_f, o_v, m_v, F: tl.constexpr, BKB: tl.constexpr,
+                               DOT_PRECISION: tl.constexpr):
+    # b_s [BF, BV] + M S, M [F, F] at p_m (rows of F) and S's value block [F, BV] at p_s (rows of
+    # `stride`), both read by column / row blocks of BKB: no [F, F] tile is ever whole
+    for i_k in range(0, tl.cdiv(F, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        m_k = o_k < F
+        b_m = tl.load(p_m + o_f[:, None] * F + o_k[None, :], mask=m_f[:, None] & m_k[None, :], other=0.0)
+        b_sk = tl.load(p_s + o_k[:, None] * stride + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_s = chunked_fp32_dot(b_m, b_sk.to(tl.float32), DOT_PRECISION, b_s)
+    return b_s
+
+
+@triton.jit
 def chunked_segment_starts_kernel(s0, e, m, NE, H: tl.constexpr, F: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
-                                  BF: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, REVERSE: tl.constexpr,
-                                  DOT_PRECISION: tl.constexpr):
+                                  BF: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, HAS_S0: tl.constexpr,
+                                  REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # The delta rule's segments (hooks.TransitionSegments): segment j maps the state entering it to
     # M_j S + E_j, M_j [F, F] in m [N, NE, H, F, F] and E_j [F, V] in e [N, NE, H, F, V] (float32), as
     # the first launch of a state pass stored them. One program per (sequence x head, value block)
     # walks them in order from s0 [N, H, F, VS] (or zeros; REVERSE: the last first, the backward's
     # gradients) and writes each state it reaches over the E it came from: row j of e then holds the
-    # state leaving segment j, which the next segment starts from (the state pass's second launch).
-    # At about float32's accuracy (chunked_fp32_dot); a kernel of its own, so that the [F, F] tile
-    # takes no registers or shared memory from the state pass.
+    # state leaving segment j, which the next segment starts from (the state pass's second launch),
+    # and which the next step of the walk reads back by blocks of BKB rows (M_j by column blocks:
+    # [F, F] whole would take 256 KB of shared memory at F = 256). At about float32's accuracy
+    # (chunked_fp32_dot); a kernel of its own, so that M takes no registers or shared memory from the
+    # state pass.
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_f, m_v = o_f < F, o_v < V
     m_fv = m_f[:, None] & m_v[None, :]
-    b_s = tl.zeros([BF, BV], dtype=tl.float32)
+    # the first segment, from s0 or zeros
+    j = NE - 1 if REVERSE else 0
+    o_e = (i_n.to(tl.int64) * NE + j) * H + i_h
+    p_e = e + o_e * F * V + o_f[:, None] * V + o_v[None, :]
+    b_s = tl.load(p_e, mask=m_fv, other=0.0)
     if HAS_S0:
-        b_s += tl.load(s0 + (i_nh.to(tl.int64) * F + o_f[:, None]) * VS + o_v[None, :], mask=m_fv, other=0.0).to(tl.float32)
-    for i in range(0, NE):
+        b_s = chunked_segment_transition(b_s, m + o_e * F * F, s0 + i_nh.to(tl.int64) * F * VS, VS, o_f, m_f, o_v, m_v,
+                                         F, BKB, DOT_PRECISION)
+    tl.store(p_e, b_s, mask=m_fv)
+    for i in range(1, NE):
         j = i
         if REVERSE:
             j = NE - 1 - i
+        o_p = o_e
         o_e = (i_n.to(tl.int64) * NE + j) * H + i_h
-        b_m = tl.load(m + o_e * F * F + o_f[:, None] * F + o_f[None, :], mask=m_f[:, None] & m_f[None, :], other=0.0)
-        b_e = tl.load(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], mask=m_fv, other=0.0)
-        b_s = chunked_fp32_dot(b_m, b_s, DOT_PRECISION, b_e)
-        tl.store(e + o_e * F * V + o_f[:, None] * V + o_v[None, :], b_s, mask=m_fv)
+        p_e = e + o_e * F * V + o_f[:, None] * V + o_v[None, :]
+        b_s = tl.load(p_e, mask=m_fv, other=0.0)
+        # the row the step before stored, by all of the program's threads: read back by others
+        tl.debug_barrier()
+        b_s = chunked_segment_transition(b_s, m + o_e * F * F, e + o_p * F * V, V, o_f, m_f, o_v, m_v, F, BKB,
+                                         DOT_PRECISION)
+        tl.store(p_e, b_s, mask=m_fv)
 
 
 def chunked_segment_starts(s0, e, m, grid, H, F, V, VS, BF, BV, DOT_PRECISION, reverse):
     """Launch chunked_segment_starts_kernel over a state pass's grid (sequences x heads, value blocks): e
     [N, G - 1, H, F, V] and m [N, G - 1, H, F, F] as its first launch stored them, s0 the state the walk
-    starts from or None. Eight warps and one stage: the [F, F] tile spread over twice the threads,
-    no loads in flight beside it (ptxas at K = V = 128 bf16: 152 B spilled, 64 KB of shared memory)."""
-    chunked_segment_starts_kernel[grid](s0, e, m, e.shape[1], H, F, V, VS, BF=BF, BV=BV, HAS_S0=s0 is not None,
-                                        REVERSE=reverse, DOT_PRECISION=DOT_PRECISION, num_warps=8, num_stages=1)
+    starts from or None. Eight warps and one stage; M and the state read back by blocks of 64 (ptxas
+    figures: BENCHMARKS.md 2026-12-05, fourth run)."""
+    chunked_segment_starts_kernel[grid](s0, e, m, e.shape[1], H, F, V, VS, BF=BF, BV=BV, BKB=min(BF, 64),
+                                        HAS_S0=s0 is not None, REVERSE=reverse, DOT_PRECISION=DOT_PRECISION,
+                                        num_warps=8, num_stages=1)
 
 
 def chunked_check_chunk(chunk):

@@ -597,6 +597,10 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         if spec.update == "delta" and launch.stages == 1:
             states_BV = max(states_BV, 64)
     V = lanes(call.value_dim)
+    bwd_states_BV = launch.bwd_states_BV
+    if spec.update == "delta":
+        states_BV = segment_lanes(call, launch, states_BV, fwd_chunk)
+        bwd_states_BV = segment_lanes(call, launch, bwd_states_BV, bwd_chunk)
     if spec.update != "delta":
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
         launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2, bwd_wy_BV=launch.BV)
@@ -605,8 +609,23 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         launch = dataclasses.replace(launch, prepare_warps=4)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(states_BV, V),
-        output_BV=min(output_BV, V), bwd_states_BV=min(launch.bwd_states_BV, V), bwd_dq_BV=min(launch.bwd_dq_BV, V),
+        output_BV=min(output_BV, V), bwd_states_BV=min(bwd_states_BV, V), bwd_dq_BV=min(launch.bwd_dq_BV, V),
         bwd_dk_BV=min(launch.bwd_dk_BV, V), bwd_wy_BV=min(launch.bwd_wy_BV, V), bwd_chunk=bwd_chunk))
+
+
+def segment_lanes(call: Call, launch: ChunkedLaunch, BV: int, chunk: int) -> int:
+    """The value blocks of a delta rule's state pass (forward or backward, at `chunk`): where its
+    sequences split into segments (kernel_lib.chunked_state_segments: its programs leave SMs idle, or
+    the launch asks), at least 64 lanes. Its first launch runs M's column blocks (F / BV programs)
+    beside the values' own, so narrower blocks double that work: gated_deltanet B1 T32768 H16 bf16
+    fwd+bwd 5.213 ms at 8 segments of 64 lanes against 6.067 at 16 of 32 (H200), and 5.978 against
+    6.721 with the backward's pass at 5 of 32 (H100; BENCHMARKS.md 2026-12-05, fourth run)."""
+    from .kernel_lib import chunked_state_segments
+    wide = min(64, lanes(call.value_dim))
+    if BV >= wide or call.varlen:
+        return BV
+    programs = call.num_seqs * call.heads * -(-call.value_dim // BV)
+    return wide if chunked_state_segments(programs, call.q_len, chunk, launch.segments)[0] > 1 else BV
 
 
 def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch) -> ChunkedLaunch:
@@ -635,7 +654,11 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     # tiles, four warps, three stages, the fastest of 36 configurations on the H200 (softmax_causal
     # B4 T8192 H16 D128 bf16: 2.34 ms, against 3.88 ms at eight warps and two stages; BENCHMARKS.md).
     # A head's last query block launches first (2.49 against 2.66 ms).
-    BM = min(64, max(16, _pow2_floor(32768 // (BK * size))), lanes(max_q))
+    # 16-bit inputs past 128 lanes: the query tile within 64 KiB, 128 x 256 at eight warps, as the tuned
+    # entries at 256 lanes took (softmax_causal B16 T8192 H8 D256 bf16 on the H100: 17.47 -> 8.99 ms;
+    # BENCHMARKS.md 2026-12-05, fourth run)
+    wide16 = size == 2 and max(BK, BV) > 128
+    BM = min(128 if wide16 else 64, max(16, _pow2_floor((65536 if wide16 else 32768) // (BK * size))), lanes(max_q))
     BN = min(64, max(16, _pow2_floor(65536 // ((BK + BV) * size))))
     if size == 2 and max(BK, BV) <= 128:
         warps, stages = 4, 3
@@ -654,11 +677,14 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     # to 128 lanes take the fastest of 36 configurations per kernel on the H200 (softmax_causal B4
     # T8192 H16 D128 bf16; BENCHMARKS.md): dq 128-query blocks and 128-key tiles at eight warps,
     # dk/dv 64-key blocks and 64-query tiles at four warps, two stages each (forward + backward
-    # 11.2 ms, from 19.9 ms).
+    # 11.2 ms, from 19.9 ms). 16-bit inputs past 128 lanes: 64 x 64 at eight warps for both, the masked
+    # tiles by pointers (tma 2) and dk, dv in launches of their own, against 32 x 32 from the budgets below
+    # (softmax_causal B16 T8192 H8 D256 bf16 on the H200: dq 68.8 -> 23.8 ms, dk/dv 78.5 -> 49.8; ptxas:
+    # none spilled, where dk/dv in one launch spills 1580 B; BENCHMARKS.md 2026-12-05, fourth run).
     bwd = {}
     for kernel, cap in (("dq", lanes(max_q)), ("dkdv", lanes(max_k))):
-        if size == 2 and max(BK, BV) <= 128:
-            block, tile, bwd_warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
+        if size == 2:
+            block, tile, bwd_warps = ((128, 128, 8) if kernel == "dq" else (64, 64, 4)) if not wide16 else (64, 64, 8)
             block, tile = min(block, cap), min(tile, cap)
         else:
             block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc))))
@@ -668,9 +694,9 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     return fit_softmax(call, dtype=dtype, launch=SoftmaxLaunch(
         BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
         kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=tma,
-        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3], dq_tma=tma,
-        dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2], dkdv_stages=bwd["dkdv"][3],
-        dkdv_tma=tma, dkdv_split=0,
+        dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3],
+        dq_tma=2 if wide16 else tma, dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2],
+        dkdv_stages=bwd["dkdv"][3], dkdv_tma=2 if wide16 else tma, dkdv_split=int(wide16),
     ))
 
 

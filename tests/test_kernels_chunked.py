@@ -250,10 +250,12 @@ def test_state_pass_in_segments(name, dtype, min_chunks, segments, monkeypatch):
 
 def test_state_segments_policy():
     """One segment for packed sequences and serving caches (split=False), where the programs are over
-    half the SMs, or below two segments' worth of chunks; else SEGMENT_PROGRAMS / programs segments
-    (B1 T32768 H16 at 64 value lanes: 32 programs, 9 segments of 57 chunks); the segments cover the chunks."""
+    half the SMs, or below two segments' worth of chunks; else as many as keep the programs within
+    SEGMENT_PROGRAMS, one wave (B1 T32768 H16 at 64 value lanes: 32 programs, 8 segments of 64 chunks);
+    the segments cover the chunks."""
     assert kernel_lib.chunked_state_segments(32, 32768, 64, split=False) == (1, 512)
-    assert kernel_lib.chunked_state_segments(32, 32768, 64) == (9, 57)
+    assert kernel_lib.chunked_state_segments(32, 32768, 64) == (8, 64)
+    assert kernel_lib.chunked_state_segments(33, 32768, 64) == (8, 64)
     assert kernel_lib.chunked_state_segments(kernel_lib.SEGMENT_SMS // 2 + 1, 32768, 64) == (1, 512)
     assert kernel_lib.chunked_state_segments(128, 8192, 64) == (1, 128)
     assert kernel_lib.chunked_state_segments(1, 64 * (2 * kernel_lib.SEGMENT_MIN_CHUNKS - 1), 64)[0] == 1
@@ -264,4 +266,4 @@ def test_state_segments_policy():
     assert kernel_lib.chunked_state_segments(32, 32768, 64, 8, split=False) == (1, 512)
     for programs in (1, 7, 32, 66):
         G, seg = kernel_lib.chunked_state_segments(programs, 32768 - 5, 64)
-        assert G > 1 and (G - 1) * seg < 512 <= G * seg and programs * (G - 1) < kernel_lib.SEGMENT_PROGRAMS
+        assert G > 1 and (G - 1) * seg < 512 <= G * seg and programs * G <= kernel_lib.SEGMENT_PROGRAMS

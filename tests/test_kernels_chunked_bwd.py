@@ -430,10 +430,11 @@ def test_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, min
 
 
 DELTA_SEGMENT_CASES = [(7, Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), None),
-                       (2, Shape(batch=1, q_len=100, heads=2, head_dim=40, value_dim=20), 16)]
+                       (2, Shape(batch=1, q_len=100, heads=2, head_dim=40, value_dim=20), 16),
+                       (3, Shape(batch=1, q_len=100, heads=1, head_dim=72, value_dim=20), 16)]
 
 
-@pytest.mark.parametrize("segments, shape, lanes", DELTA_SEGMENT_CASES, ids=["7x1", "2x4_lanes16"])
+@pytest.mark.parametrize("segments, shape, lanes", DELTA_SEGMENT_CASES, ids=["7x1", "2x4_lanes16", "3_keys72"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["gated_deltanet", "deltanet", "kda"])
 def test_delta_rules_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, segments, shape, lanes):
@@ -442,8 +443,9 @@ def test_delta_rules_state_passes_in_segments(kernel_backward, monkeypatch, name
     product of its chunks' transitions, run from the identity's columns by programs of their own
     (hooks.TransitionSegments). 7 chunks of 16 in 7 segments of one (two sequences, 8 key lanes), or 2
     of four and three at 16 value lanes a program (40 key lanes: M in three column blocks, the last
-    partial); an initial state; outputs, final state and every gradient against the interpreter, and
-    each state pass launched over the segments."""
+    partial), or 3 at 72 key lanes (the walk over the segments reads M and the state by blocks of 64
+    rows, the second partial); an initial state; outputs, final state and every gradient against the
+    interpreter, and each state pass launched over the segments."""
     monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", 1)
     real = tuning._remembered
 

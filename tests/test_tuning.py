@@ -73,7 +73,8 @@ def test_defaults_are_the_measured_launches():
     state pass at four warps over 64 lanes, the output pass at four over 128; three stages, 255
     registers, a backward at 32-token chunks and four warps (64 for bf16 Mamba2, RetNet and the Linear Transformer); fp32 with 256 feature lanes halves the forward's chunk; the
     softmax bf16 D128 forward 64 x 64 tiles at four warps and three stages, its backward dq
-    128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each."""
+    128 x 128 at eight warps, dk/dv 64 x 64 at four, two stages each; at D256 128 x 64 at eight warps,
+    dq and dk/dv 64 x 64 at eight, dk and dv apart, their masked tiles by pointers."""
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
@@ -119,6 +120,11 @@ def test_defaults_are_the_measured_launches():
     assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=1, dq_BM=128,
                                          dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=1, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
                                          dkdv_stages=2, dkdv_tma=1, dkdv_split=0)
+    # 16-bit past 128 lanes: 128-query forward tiles, the backward's 64 x 64 at eight warps
+    wide = planner.softmax_launch(Call(16, 8192, 8192, 8, 256, 256, 256, 16, 8192, 0.1, False, 8), torch.bfloat16, 132)
+    assert (wide.BM, wide.BN, wide.warps, wide.stages) == (128, 64, 8, 2)
+    assert (wide.dq_BM, wide.dq_BN, wide.dq_warps, wide.dkdv_BN, wide.dkdv_BM, wide.dkdv_warps) == (64, 64, 8, 64, 64, 8)
+    assert (wide.dq_tma, wide.dkdv_tma, wide.dkdv_split) == (2, 2, 1)
     # the copy engine's tiles are 16-bit ones: a float32 call's launch holds none, a table's or a search's either
     call = Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16)
     fp32 = planner.softmax_launch(call, torch.float32, 132)
@@ -404,15 +410,21 @@ def test_a_miss_takes_the_nearest_bucket_and_warns_once_with_the_command():
         assert resolve(linear_call(T=8192, B=16)).launch == near
 
 
-def test_a_nearest_bucket_launch_is_taken_as_tuned():
-    """A launch tuned for the nearest bucket is taken as it is, value blocks included: a long single
-    sequence fills the GPU by segments of its state passes (kernel_lib.chunked_state_segments), not
-    by narrower value blocks."""
+def test_a_nearest_bucket_launch_fills_the_gpu_by_segments():
+    """A launch tuned for the nearest bucket is taken as it is, but for the delta rules' state passes
+    that split a long sequence into segments (kernel_lib.chunked_state_segments: their programs leave
+    SMs idle): those at 64 value lanes at least (planner.segment_lanes), not narrower."""
     tuned = dataclasses.replace(default(linear_call()), states_BV=64, bwd_states_BV=32)
     tuning.record([entry(linear_call(), tuned)], FAKE)
     with pytest.warns(UserWarning, match="nearest tuned bucket"):
-        assert resolve(linear_call(B=1, T=32768)).launch == tuned
+        assert resolve(linear_call(B=1, T=32768)).launch == dataclasses.replace(tuned, bwd_states_BV=64)
     assert resolve(linear_call()).launch == tuned
+    # one segment (the launch's segments=1; packed sequences) keeps the 32 lanes, and so does an additive rule
+    call = linear_call(B=1, T=32768)
+    assert planner.fit_chunked(GDN, call, torch.bfloat16, dataclasses.replace(tuned, segments=1)).bwd_states_BV == 32
+    assert planner.fit_chunked(GDN, dataclasses.replace(call, varlen=True), torch.bfloat16, tuned).bwd_states_BV == 32
+    mamba = dataclasses.replace(default(call, spec=MAMBA2), states_BV=32, bwd_states_BV=32)
+    assert planner.fit_chunked(MAMBA2, call, torch.bfloat16, mamba).bwd_states_BV == 32
     # the default too: the planner's, whatever the GPU's multiprocessors
     assert planner.default_launch("chunked", GDN, linear_call(B=1), torch.bfloat16, 32) == default(linear_call(B=1))
 
