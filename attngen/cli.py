@@ -201,17 +201,12 @@ def _shapes(text: str):
 
 
 def _knobs(text: str) -> dict[str, int]:
-    """--seed: knob=value,... of a launch dataclass (planner.LAUNCHES); the spec's family checks the names."""
+    """--seed: knob=value,... of a launch dataclass (planner.parse_knobs); the spec's family checks the names."""
     from . import planner
-    names = {n for cls in planner.LAUNCHES.values() for n in cls.knobs()}
-    knobs = {}
-    for item in filter(None, text.split(",")):
-        name, sep, value = item.partition("=")
-        if name not in names:
-            raise argparse.ArgumentTypeError(f"{name!r} is no launch knob; knobs: {', '.join(sorted(names))}")
-        if not sep or not value.lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"{item!r}: expected knob=value with an integer value")
-        knobs[name] = int(value)
+    try:
+        knobs = planner.parse_knobs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if not knobs:
         raise argparse.ArgumentTypeError(f"expected knob=value,... (e.g. dq_BM=64,dq_warps=8), got {text!r}")
     return knobs

@@ -322,7 +322,7 @@ class ChunkedLaunch(Launch):
     output_BV: int = knob("fwd", "block", (16, 32, 64, 128))  # value lanes per program of the output pass
     output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
-    segments: int = knob("fwd", "segments", (0, 1, 4, 8, 16), backward=True)  # the sequential passes' segments per sequence, at most (kernel_lib.chunked_state_segments; 0: the rule's policy, 1: none)
+    segments: int = knob("fwd", "segments", (0, 1, 4, 8, 16), backward=True)  # the sequential passes' segments per sequence, at most (kernel_lib.chunked_state_segments; 0: the policy, 1: none)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's steps 2 and 3 (its dU step and state-gradient pass)
     bwd_dq_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dq step (chunked_bwd_dq_kernel)
@@ -377,6 +377,22 @@ class SoftmaxLaunch(Launch):
 
 # The kernel families with launch knobs, by the name tables and `attngen tune` give them.
 LAUNCHES: dict[str, type[Launch]] = {"chunked": ChunkedLaunch, "softmax": SoftmaxLaunch}
+
+
+def parse_knobs(text: str) -> dict[str, int]:
+    """'knob=value,...' of the launch dataclasses (LAUNCHES) -> {knob: value} ({} for ''): `attngen tune
+    --seed` and the bench scripts' launch overrides. An unknown name or a value not of digits is a
+    ValueError naming it; the launch a knob lands in checks its value."""
+    names = {n for cls in LAUNCHES.values() for n in cls.knobs()}
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if name not in names:
+            raise ValueError(f"{name!r} is no launch knob; knobs: {', '.join(sorted(names))}")
+        if not sep or not value.isdigit():
+            raise ValueError(f"{item!r}: expected knob=value with a non-negative integer value")
+        knobs[name] = int(value)
+    return knobs
 
 
 def pow2(n: int) -> int:
@@ -683,8 +699,10 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     # none spilled, where dk/dv in one launch spills 1580 B; BENCHMARKS.md 2026-12-05, fourth run).
     bwd = {}
     for kernel, cap in (("dq", lanes(max_q)), ("dkdv", lanes(max_k))):
-        if size == 2:
-            block, tile, bwd_warps = ((128, 128, 8) if kernel == "dq" else (64, 64, 4)) if not wide16 else (64, 64, 8)
+        if wide16:
+            block, tile, bwd_warps = min(64, cap), min(64, cap), 8
+        elif size == 2:
+            block, tile, bwd_warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
             block, tile = min(block, cap), min(tile, cap)
         else:
             block = min(128, cap, max(16, _pow2_floor(65536 // ((BK + BV) * acc))))

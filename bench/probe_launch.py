@@ -50,18 +50,12 @@ planner.fit_softmax = _fit_softmax_with_override
 
 
 def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
-    """'knob=value,...' of ChunkedLaunch (linear specs) or SoftmaxLaunch (softmax ones); the launch of
-    the spec's family takes them (a knob of the other family fails that variant)."""
-    knobs = set(planner.ChunkedLaunch.knobs()) | set(planner.SoftmaxLaunch.knobs())
-    out = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if name not in knobs:
-            raise SystemExit(f"{option}: {name!r} is no ChunkedLaunch or SoftmaxLaunch knob; knobs: {', '.join(sorted(knobs))}")
-        if not value.isdigit():
-            raise SystemExit(f"{option}: {name}={value!r}: the value is not allowed; allowed: a positive integer")
-        out[name] = int(value)
-    return out
+    """'knob=value,...' of ChunkedLaunch (linear specs) or SoftmaxLaunch (softmax ones) (planner.parse_knobs);
+    the launch of the spec's family takes them (a knob of the other family fails that variant)."""
+    try:
+        return planner.parse_knobs(text)
+    except ValueError as e:
+        raise SystemExit(f"{option}: {e}") from None
 
 
 def output(result):

@@ -179,7 +179,9 @@ def test_tune_missing_skips_the_shapes_in_the_table(monkeypatch, tmp_path, capsy
     (["tune", "specs/gla.yaml", "--budget", "ten"], "argument --budget: expected seconds, a finite number >= 0, got 'ten'"),
     (["tune", "specs/gla.yaml", "--seed", "dq_bm=64"], "argument --seed: 'dq_bm' is no launch knob; knobs: BM, BN, BV,"),
     (["tune", "specs/gla.yaml", "--seed", "bwd_warps=eight"], "argument --seed: 'bwd_warps=eight': expected knob=value "
-                                                              "with an integer value"),
+                                                              "with a non-negative integer value"),
+    (["tune", "specs/gla.yaml", "--seed", "segments=-1"], "argument --seed: 'segments=-1': expected knob=value with a "
+                                                          "non-negative integer value"),
     (["tune", "specs/gla.yaml", "--seed", ","], "argument --seed: expected knob=value,... (e.g. dq_BM=64,dq_warps=8), "
                                                 "got ','"),
     (["bench", "specs/gla.yaml", "--vs", "fla,xformers"], "argument --vs: xformers is not a baseline; allowed: fla, "
