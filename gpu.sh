@@ -23,23 +23,29 @@ fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 # The baselines' triton.autotune results on disk (Triton's TRITON_CACHE_AUTOTUNING): a fresh machine
 # starts from those of earlier runs (bench/autotune/, their paths inside the Triton cache), so fla
-# times its best configuration without benchmarking every one again; new ones come back in
-# $OUT/autotune/ (copy them into bench/autotune/). A miss autotunes as before.
+# times its best configuration without benchmarking every one again; all of them come back in one file,
+# $OUT/autotune.tar (the device returns a limited count of files: `tar -xf autotune.tar -C bench/autotune`
+# keeps the new ones). The key of a result is the kernel, its configurations, Triton's version and the
+# architecture (sm_90 for the H100 and the H200 alike): keep only those of the GPU the baselines are timed on.
+# A miss autotunes as before.
 export TRITON_CACHE_AUTOTUNING=1
 [ -d bench/autotune ] && mkdir -p "$TRITON_CACHE_DIR" && cp -rn bench/autotune/. "$TRITON_CACHE_DIR"/
 save_autotune() {
-  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name "*.autotune.json" -exec cp --parents {} "$OUT/autotune/" \;) 2>/dev/null
+  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name "*.autotune.json" -print0 | tar -cf "$OUT/autotune.tar" --null -T -) 2>/dev/null
 }
-mkdir -p "$OUT/autotune"
 if [ -n "${GPU_BENCH-fwd,bwd}" ]; then
   timeout "${GPU_BENCH_S:-360}" python3 bench/bench.py --passes "${GPU_BENCH-fwd,bwd}" --profile ${BENCH_ARGS:-} > "$OUT/bench.txt" 2>&1
   echo "bench exit $?"; grep -v -i -e warn -e "rows = bench" "$OUT/bench.txt" | tail -c 7000
   save_autotune
 fi
 # `bash gpu.sh shipped`: `attngen bench` on every shipped spec, forward and forward + backward in one process
-# (issue 10's table; GPU_BENCH_S limits it), then nothing else
+# (issue 10's table; GPU_BENCH_S limits it), then nothing else. All of it outlasts one device call (the
+# baselines' first calls: fla's autotune, FlexAttention's compilation): SHIP_SPECS names a part of the specs
+# (default specs/*.yaml), SHIP_PASSES the passes (fwd,bwd; "bwd" for forward + backward alone)
 if [ "${1-}" = shipped ]; then
-  timeout "${GPU_BENCH_S:-360}" python3 -m attngen.cli bench specs/*.yaml --passes fwd,bwd > "$OUT/bench_shipped.txt" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${GPU_BENCH_S:-360}" python3 -m attngen.cli bench ${SHIP_SPECS:-specs/*.yaml} --passes "${SHIP_PASSES:-fwd,bwd}" \
+    > "$OUT/bench_shipped.txt" 2>&1
   echo "attngen bench exit $?"; grep -v -i -e warn "$OUT/bench_shipped.txt" | tail -c 9000
   save_autotune
   exit 0
