@@ -2,7 +2,7 @@
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
     python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
-        [--h200] [--launch "knob=value,..."] [--ptx DIR]
+        [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -16,7 +16,9 @@ source lines), so that two versions of the templates can be held to the same cod
 where a change should leave a kernel as it was. --h200 takes the launches a call of these sizes takes on
 an H200: the shipped table's entry (or its nearest bucket's) and the planner's fill of 132
 multiprocessors, not the CPU's defaults; with --B 4 --H 16 --T 8192 those of the benchmark shape,
-whose registers and spills say which tuned kernels spill (the launch is printed).
+whose registers and spills say which tuned kernels spill (the launch is printed). --h100 the same for an
+H100 (80GB HBM3): its table's entries where it has them, else the planner's defaults. Each kernel's line
+ends with how many of its programs an sm_90 multiprocessor holds at once and what limits it.
 """
 from __future__ import annotations
 
@@ -63,12 +65,30 @@ class Sm90Driver(CudaDriver):
         return torch.device("cpu")
 
 
-def ptxas_info(ptxas: Path, ptx: Path) -> str:
+def ptxas_info(ptxas: Path, ptx: Path) -> tuple[int | None, int | None]:
+    """ptxas's registers per thread and bytes of spill stores (None where it did not say)."""
     out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull],
                          capture_output=True, text=True, check=False).stderr
     regs = re.search(r"Used (\d+) registers", out)
     spills = re.search(r"(\d+) bytes spill stores", out)
-    return f"{regs.group(1) if regs else '?':>4} regs {spills.group(1) if spills else '?':>7} B spilled"
+    return (int(regs.group(1)) if regs else None), (int(spills.group(1)) if spills else None)
+
+
+# An sm_90 multiprocessor (H100, H200): 228 KiB of shared memory, of which each resident program also
+# takes 1 KiB the system reserves; 65,536 registers, given to a warp in units of 256; at most 64 warps
+# and 32 programs (CUDA's occupancy rules, compute capability 9.0).
+SM90_SHARED, SM90_RESERVED, SM90_REGS, SM90_WARPS, SM90_PROGRAMS = 233472, 1024, 65536, 64, 32
+
+
+def programs_per_sm(shared: int, regs: int, warps: int) -> tuple[int, str]:
+    """How many programs of a kernel an sm_90 multiprocessor holds at once, and what limits it
+    (shared memory, registers, warps or the programs' cap): a kernel a few bytes past half a
+    multiprocessor's shared memory runs one program per SM where it would run two."""
+    per_warp = -(-regs * 32 // 256) * 256
+    limits = {"shared": SM90_SHARED // (shared + SM90_RESERVED),
+              "registers": SM90_REGS // (per_warp * warps), "warps": SM90_WARPS // warps, "programs": SM90_PROGRAMS}
+    name = min(limits, key=limits.get)
+    return limits[name], name
 
 
 def main():
@@ -79,8 +99,11 @@ def main():
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--B", type=int, default=1, help="sequences")
     p.add_argument("--H", type=int, default=2, help="heads (linear specs: query / key heads)")
-    p.add_argument("--h200", action="store_true",
-                   help="the launches of an H200: its shipped table's and 132 multiprocessors")
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument("--h200", action="store_const", const="NVIDIA H200", dest="gpu",
+                     help="the launches of an H200: its shipped table's and 132 multiprocessors")
+    gpu.add_argument("--h100", action="store_const", const="NVIDIA H100 80GB HBM3", dest="gpu",
+                     help="the launches of an H100 (80GB HBM3): its shipped table's and 132 multiprocessors")
     p.add_argument("--group", type=int, default=1,
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
@@ -112,10 +135,10 @@ def main():
     os.environ["ATTNGEN_BACKEND"] = "triton"
     attngen.runtime._use_kernels = lambda spec, q: True   # the kernels, on CPU tensors, without the interpreter
 
-    if args.h200:
-        # the runtime's lookup as on an H200 (attngen.tuning.choose): its machine, its multiprocessors
+    if args.gpu:
+        # the runtime's lookup as on that GPU (attngen.tuning.choose): its machine, its multiprocessors
         from attngen import tuning
-        tuning.machine = lambda device: tuning.Machine("NVIDIA H200", "9.0", triton.__version__)
+        tuning.machine = lambda device: tuning.Machine(args.gpu, "9.0", triton.__version__)
         tuning.multiprocessors = lambda device: 132
         tuning._remembered.cache_clear()
         chosen = tuning.choose
@@ -159,7 +182,11 @@ def main():
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as tmp:
                 tmp.write(kernel.asm["ptx"])
                 tmp.flush()
-                info = ptxas_info(ptxas, Path(tmp.name))
+                regs, spilled = ptxas_info(ptxas, Path(tmp.name))
+            info = f"{regs if regs is not None else '?':>4} regs {spilled if spilled is not None else '?':>7} B spilled"
+            if regs is not None:
+                n, limit = programs_per_sm(md.shared, regs, md.num_warps)
+                info += f"  {n:>2} per SM ({limit})"
         print(f"{seconds:7.1f} s  {name:28s} warps {md.num_warps}  shared {md.shared:>7} B  {info}")
 
 

@@ -110,3 +110,21 @@ def test_ncu_table_reads_the_raw_page():
     cells = row.split()
     assert cells[0] == "ut" and cells[1] == "1234.0" and "255.0" in cells and cells[2] == "-"
     assert row.endswith("long_scoreboard 7.1, barrier 2.5, wait 0.5")
+
+
+def test_programs_per_multiprocessor_follow_cuda_occupancy_rules():
+    """bench/compile_time.py's count of a kernel's programs resident on an sm_90 multiprocessor, with
+    the figures ptxas and Triton gave for forgetting_attention's and softmax_causal's forward at B4 T8192
+    H16 D128 bf16 (64 x 64 tiles, four warps, three stages): 1 KiB of the decay's tiles past half the
+    shared memory leaves one program where softmax_causal's kernel has two."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "compile_time.py"
+    module_spec = importlib.util.spec_from_file_location("compile_time", path)
+    ct = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(ct)
+    assert ct.programs_per_sm(shared=115712, regs=174, warps=4) == (2, "shared")   # (115712 + 1024) * 2 = 228 KiB
+    assert ct.programs_per_sm(shared=116760, regs=255, warps=4) == (1, "shared")
+    assert ct.programs_per_sm(shared=0, regs=255, warps=4) == (2, "registers")      # 256 x 32 x 4 per program
+    assert ct.programs_per_sm(shared=0, regs=40, warps=4) == (12, "registers")      # 40 rounds to 1280 a warp
+    assert ct.programs_per_sm(shared=0, regs=16, warps=4) == (16, "warps")
+    assert ct.programs_per_sm(shared=0, regs=16, warps=1) == (32, "programs")
