@@ -660,8 +660,9 @@ def _softmax_lens(call: Call) -> tuple[int, int]:
     return (call.max_len, call.max_len) if call.varlen else (call.q_len, call.k_len)
 
 
-def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
-    """The default launch of the softmax kernels for a call on a GPU of `sms` multiprocessors."""
+def softmax_launch(call: Call, dtype: torch.dtype, sms: int, decay: bool = False) -> SoftmaxLaunch:
+    """The default launch of the softmax kernels for a call on a GPU of `sms` multiprocessors; `decay`
+    for specs whose scores carry a cumulative log-decay bias (forgetting attention)."""
     BK, BV = lanes(call.head_dim), lanes(call.value_dim)
     size, acc = dtype.itemsize, (8 if dtype == torch.float64 else 4)
     max_q, max_k = _softmax_lens(call)
@@ -680,6 +681,17 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
         warps, stages = 4, 3
     else:
         warps, stages = 4 if max(BK, BV) <= 64 else 8, 2
+    last_first = 1
+    # A decay bias adds the key tiles' cumulative gates to each stage: at 64 x 64 and three stages the forward
+    # then takes 116,760 B of shared memory, one program per multiprocessor (softmax_causal's 115,712 B fit
+    # two). 16-bit inputs of 65 to 128 lanes: 128-key tiles in one stage, launched in order (82,944 B, two
+    # per multiprocessor), as every tuned H200 entry of forgetting_attention at 128 lanes took (B2, B4, B16
+    # T8192 H16 D128 bf16: forward 3.11 -> 1.62, 5.83 -> 3.07, 24.37 -> 11.98 ms; attngen/tables); up to 64
+    # lanes, 128-query blocks (2.93 -> 2.30 ms at B2 T8192 H32 D64).
+    if decay and size == 2 and 64 < max(BK, BV) <= 128:
+        BN, stages, last_first = 128, 1, 0
+    elif decay and size == 2 and max(BK, BV) <= 64:
+        BM = min(128, lanes(max_q))
     programs = -(-max_q // BM) * call.num_seqs * call.heads
     # The streamed tiles by the copy engine (tensor descriptors; fit_softmax holds them to 16-bit inputs,
     # and the launchers fall back to pointers where tile_descriptor cannot take a tensor: head dims not a
@@ -701,6 +713,11 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
     for kernel, cap in (("dq", lanes(max_q)), ("dkdv", lanes(max_k))):
         if wide16:
             block, tile, bwd_warps = min(64, cap), min(64, cap), 8
+        elif size == 2 and decay and max(BK, BV) > 64:
+            # the tuned H200 entries of forgetting_attention at 128 lanes (backward at B4 T8192 H16 D128
+            # bf16: 21.19 -> 13.92 ms): 64-key dq tiles, 32-query dk/dv tiles
+            block, tile, bwd_warps = (128, 64, 8) if kernel == "dq" else (64, 32, 4)
+            block, tile = min(block, cap), min(tile, cap)
         elif size == 2:
             block, tile, bwd_warps = (128, 128, 8) if kernel == "dq" else (64, 64, 4)
             block, tile = min(block, cap), min(tile, cap)
@@ -710,7 +727,7 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int) -> SoftmaxLaunch:
             bwd_warps = 8 if block * (BK + BV) > 4096 else 4
         bwd[kernel] = block, tile, bwd_warps, 2
     return fit_softmax(call, dtype=dtype, launch=SoftmaxLaunch(
-        BM=BM, BN=BN, warps=warps, stages=stages, last_first=1,
+        BM=BM, BN=BN, warps=warps, stages=stages, last_first=last_first,
         kv_splits=1 if call.varlen else softmax_kv_splits(programs, call.k_len, BN, sms), tma=tma,
         dq_BM=bwd["dq"][0], dq_BN=bwd["dq"][1], dq_warps=bwd["dq"][2], dq_stages=bwd["dq"][3],
         dq_tma=2 if wide16 else tma, dkdv_BN=bwd["dkdv"][0], dkdv_BM=bwd["dkdv"][1], dkdv_warps=bwd["dkdv"][2],
@@ -746,7 +763,7 @@ def default_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, sms:
     """The default launch of a kernel family (LAUNCHES) for a call on a GPU of `sms` multiprocessors."""
     if family == "chunked":
         return chunked_launch(spec, call, dtype)
-    return softmax_launch(call, dtype, sms)
+    return softmax_launch(call, dtype, sms, decay=spec is not None and spec.decay == "scalar")
 
 
 def fit_launch(family: str, spec: Spec, call: Call, dtype: torch.dtype, launch: Launch,

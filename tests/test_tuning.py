@@ -120,6 +120,17 @@ def test_defaults_are_the_measured_launches():
     assert soft == planner.SoftmaxLaunch(BM=64, BN=64, warps=4, stages=3, last_first=1, kv_splits=1, tma=1, dq_BM=128,
                                          dq_BN=128, dq_warps=8, dq_stages=2, dq_tma=1, dkdv_BN=64, dkdv_BM=64, dkdv_warps=4,
                                          dkdv_stages=2, dkdv_tma=1, dkdv_split=0)
+    # a decay bias (forgetting attention) at 128 lanes: 128-key tiles in one stage (two programs per SM), the
+    # backward's dq on 64-key tiles and dk/dv on 32-query tiles; up to 64 lanes, 128-query forward blocks
+    forget = planner.softmax_launch(Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.bfloat16, 132,
+                                    decay=True)
+    assert (forget.BM, forget.BN, forget.warps, forget.stages, forget.last_first) == (64, 128, 4, 1, 0)
+    assert (forget.dq_BM, forget.dq_BN, forget.dkdv_BN, forget.dkdv_BM) == (128, 64, 64, 32)
+    narrow = planner.softmax_launch(Call(2, 8192, 8192, 32, 64, 64, 64, 2, 8192, 0.1, False, 32), torch.bfloat16, 132,
+                                    decay=True)
+    assert (narrow.BM, narrow.BN, narrow.stages, narrow.dq_BN, narrow.dkdv_BM) == (128, 64, 3, 128, 64)
+    assert planner.softmax_launch(call := Call(4, 8192, 8192, 16, 128, 128, 128, 4, 8192, 0.1, False, 16), torch.float32,
+                                  132, decay=True) == planner.softmax_launch(call, torch.float32, 132)
     # 16-bit past 128 lanes: 128-query forward tiles, the backward's 64 x 64 at eight warps
     wide = planner.softmax_launch(Call(16, 8192, 8192, 8, 256, 256, 256, 16, 8192, 0.1, False, 8), torch.bfloat16, 132)
     assert (wide.BM, wide.BN, wide.warps, wide.stages) == (128, 64, 8, 2)
