@@ -22,7 +22,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .spec import KERNEL_CHUNKS, LOG_DECAY_FLOOR, LOG_DECAY_FLOOR32
 
 # what a generated module may import (codegen imports in each the names its code calls)
-__all__ = ["LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS", "SEGMENT_SMS", "ceil_div", "chunk_slots", "chunked_blocks",
+__all__ = ["BIDIRECTIONAL_MIN_TILES", "BIDIRECTIONAL_SPAN_TILES", "LOG2E", "SEGMENT_MIN_CHUNKS", "SEGMENT_PROGRAMS",
+           "SEGMENT_SMS", "bidirectional_blocks", "bidirectional_favor_precision", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel",
            "chunked_segment_transition", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
@@ -294,6 +295,46 @@ def chunked_state_segments(programs, T, chunk, segments=0, split=True):
         G = max(1, min(SEGMENT_PROGRAMS // programs, n // SEGMENT_MIN_CHUNKS))
     seg = ceil_div(n, G)
     return ceil_div(n, seg), seg
+
+
+# The bidirectional form's launch (templates/linear_bidirectional.py.jinja): its two steps parallel over the
+# tokens. The state step splits each sequence into parts until its programs make a wave of two per SM
+# (SEGMENT_PROGRAMS; each part at least BIDIRECTIONAL_MIN_TILES token tiles, and the parts' float32 states
+# are added after it); the output step reads a sequence's state once per span of SPAN_TILES tiles.
+BIDIRECTIONAL_MIN_TILES = 4
+BIDIRECTIONAL_SPAN_TILES = 4
+
+
+def bidirectional_blocks(N, H, K, F, V, T, favor=None):
+    """(BK, BF, BV, BT, warps, stages, splits, SPAN) of the bidirectional kernels for N sequences (T tokens in
+    all) of H value heads, K key lanes, F features and V value lanes; favor: the FAVOR_PRECISION of a map whose
+    features are a dot's result (FAVOR+: bidirectional_favor_precision), None for other maps."""
+    # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
+    BK, BF = max(16, pow2_ceil(K)), max(16, pow2_ceil(F))
+    # a state block [BF, BV] of at most 16K float32 (64 KiB of registers across eight warps), at most 128 lanes
+    BV = min(max(16, pow2_ceil(V)), 128, max(16, 16384 // BF))
+    # token tiles [BT, BK] and [BT, BF] of at most 32 KiB in float32; 16 KiB where the features are a dot's,
+    # whose float32 operands (tf32x3) Triton stages in shared memory
+    BT = min(64, max(16, (8192 if favor is None else 4096) // max(BK, BF)))
+    stages = 2
+    if favor == "f64" and BK > 128:
+        # float64 projections (float32 inputs) past 128 key lanes: Omega [BK, BF] and the token tiles in
+        # float64 take most of the shared memory (311,296 B at K = 256 with 256 value lanes in two stages,
+        # past sm_90's 232,448): one stage, 64 value lanes
+        BV, stages = min(BV, 64), 1
+    warps = 4 if BF * BV <= 4096 else 8
+    programs = N * H * ceil_div(V, BV)
+    splits = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), ceil_div(T, N * BT * BIDIRECTIONAL_MIN_TILES)))
+    return BK, BF, BV, BT, warps, stages, splits, BT * BIDIRECTIONAL_SPAN_TILES
+
+
+def bidirectional_favor_precision(dtype, K):
+    """FAVOR_PRECISION, the bidirectional kernels' FAVOR+ projections (favor_dot): float64 for float32
+    inputs; tf32x3 on the tensor cores for 16-bit ones past 32 key lanes; fp32 products ("ieee") up to 32,
+    where the causal kernels' tf32x3 projections gave wrong bf16 outputs (runtime.FAVOR_BF16_REASON)."""
+    if dtype == torch.float32:
+        return "f64"
+    return chunked_dot_precision(dtype) if K > 32 else "ieee"
 
 
 @triton.jit

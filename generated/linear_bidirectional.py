@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (ceil_div, pow2_ceil)
+from attngen.kernel_lib import (bidirectional_blocks, ceil_div, chunk_slots, chunked_dot, chunked_dot_precision,
+                                pow2_ceil)
 
 SPEC_NAME = "linear_bidirectional"
 SPEC_HASH = "6713cd25c17849f5"
@@ -394,27 +395,31 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
     return dq, dk, dv, dg, dbeta, None, dh0, None
 # ---------------------------------------------------------------------------- bidirectional form
 # Every token reads the whole sequence's state: o_t = S_T^T q̂_t with S_T = S0 + Σ_t k̂_t v_t^T
-# (additive, no decay).
-# One program per (value block, sequence x head) makes two passes over the sequence's token
-# tiles [BT, *]: the first accumulates the state block [BF, BV], the second
-# reads out o = q̂ S. Keys are featurized transposed, [BK, BT] -> [BF, BT],
-# so that k̂^T v is a plain tl.dot (no tl.trans of a dot result). All math is float32, dots "ieee"
-# (FAVOR+'s projections float64 for float32 inputs: FAVOR_PRECISION). H is the value (state) heads; q and k have
-# H // QK_GROUP heads (grouped value heads, qk_rows).
+# (additive, no decay). Two steps, each
+# parallel over the tokens:
+# 1. bidirectional_state_kernel: the state of each of SPLITS equal parts of a sequence, one program
+#    per (sequence x head, value block, part) summing k̂^T v over its token tiles [BT, *]; the
+#    launcher adds the parts and S0 (a sum over SPLITS of float32 states, in order: deterministic).
+# 2. bidirectional_output_kernel: o = q̂ S, one program per (value head, span of SPAN
+#    tokens of one sequence, value block), the state block [BF, BV] loaded once per span.
+# Keys are featurized transposed, [BK, BT] -> [BF, BT], so that k̂^T v is a plain dot (no tl.trans of
+# a dot result). Features in float32 (FAVOR+'s projections: bidirectional_favor_precision);
+# the dots on the tensor cores at the inputs' precision (chunked_dot: bf16 operands for bf16, tf32 for
+# fp16, whose features outgrow 65504, tf32x3 for float32), accumulated in float32. H is the value
+# (state) heads; q and k have H // QK_GROUP heads (grouped value heads, qk_rows).
 
 @triton.jit
-def bidirectional_fwd_kernel(
+def bidirectional_state_kernel(
     # pointers
-    q, k, v, omega, h0, o, ht, cu_seqlens,
+    k, v, omega, part, cu_seqlens,
     # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    scale, x_scale, f_scale,
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr, SPLITS,
+    x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, FAVOR_PRECISION: tl.constexpr,
-    QK_GROUP: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(1), tl.program_id(0)
+    i_nh, i_v, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -422,6 +427,10 @@ def bidirectional_fwd_kernel(
     else:
         bos = i_n.to(tl.int64) * T
         T_seq = T
+    # part i_s of the sequence: whole token tiles, the last part possibly shorter or empty
+    span = tl.cdiv(tl.cdiv(T_seq, SPLITS), BT) * BT
+    lo = i_s * span
+    hi = tl.minimum(lo + span, T_seq)
 
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
@@ -429,40 +438,73 @@ def bidirectional_fwd_kernel(
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
 
-    # [BF, BV] state block; row offsets into the [N, H, F, VS] state
-    o_state = (i_n.to(tl.int64) * H + i_h) * F * VS + o_f[:, None] * VS + o_v[None, :]
-    m_state = m_f[:, None] & m_v[None, :]
+    # [BF, BV] the part's state block
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
-    if HAS_H0:
-        b_h += tl.load(h0 + o_state, mask=m_state, other=0.0).to(tl.float32)
-
-    # pass 1: S += k̂^T v over the sequence
-    for i_t in range(0, T_seq, BT):
+    for i_t in range(lo, hi, BT):
         o_t = i_t + tl.arange(0, BT)
-        m_t = o_t < T_seq
+        m_t = o_t < hi
         i_tok = (bos + o_t) * H + i_h
         # [BK, BT] keys, loaded transposed -> [BF, BT] features
         b_kt = tl.load(k + (i_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
 
         # [BT, BV]
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_h += tl.dot(b_kt, b_v, input_precision="ieee")
+        b_h = chunked_dot(b_kt, b_v, DOT_PRECISION, b_h)
 
-    # pass 2: o = q̂ S over the sequence
-    for i_t in range(0, T_seq, BT):
+    # part [N, H, SPLITS, F, VS]
+    p_part = part + ((i_nh.to(tl.int64) * SPLITS + i_s) * F + o_f) * VS
+    tl.store(p_part[:, None] + o_v[None, :], b_h, mask=m_f[:, None] & m_v[None, :])
+
+
+@triton.jit
+def bidirectional_output_kernel(
+    # pointers
+    q, omega, state, o, cu_seqlens, span_offsets, span_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    n_slots, scale, x_scale, f_scale,
+    # meta
+    SPAN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+):
+    # program -> (value head, span slot): a head's spans are neighbours in launch order and share its
+    # state in L2. Slot i_slot is span c of sequence i_n: dense, cdiv(T, SPAN) slots per sequence in order;
+    # packed, kernel_lib.chunk_slots's slots (spare ones past the last sequence's end: no tokens)
+    i_pid, i_v = tl.program_id(0), tl.program_id(1)
+    i_h, i_slot = i_pid // n_slots, i_pid % n_slots
+    if IS_VARLEN:
+        i_n = tl.load(span_seq + i_slot).to(tl.int32)
+        c = i_slot - tl.load(span_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_slot // tl.cdiv(T, SPAN)
+        c = i_slot % tl.cdiv(T, SPAN)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    lo = c * SPAN
+    hi = tl.minimum(lo + SPAN, T_seq)
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BF, BV] the sequence's state block, state [N, H, F, VS]
+    p_state = state + ((i_n.to(tl.int64) * H + i_h) * F + o_f) * VS
+    b_h = tl.load(p_state[:, None] + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+    for i_t in range(lo, hi, BT):
         o_t = i_t + tl.arange(0, BT)
-        m_t = o_t < T_seq
+        m_t = o_t < hi
         i_tok = (bos + o_t) * H + i_h
         # [BT, BK] -> [BT, BF]
         b_q = tl.load(q + (i_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
 
         b_q = b_q * scale
         # [BT, BV]
-        b_o = tl.dot(b_q, b_h, input_precision="ieee")
+        b_o = chunked_dot(b_q, b_h, DOT_PRECISION)
         tl.store(o + i_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-
-    if STORE_HT:
-        tl.store(ht + o_state, b_h, mask=m_state)
 
 
 def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state):
@@ -473,22 +515,23 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     F = omega.shape[0] if omega is not None else K
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    # tl.dot needs every block dim >= 16
-    BK, BF = max(16, pow2_ceil(K)), max(16, pow2_ceil(F))
-    BV = min(max(16, pow2_ceil(V)), 64 if BF <= 64 else 32)
-    # token tiles [BT, BK] of at most 16 KiB in float32 (H200, K = 256 and FAVOR+: shared memory)
-    BT = min(64 if BF <= 64 else 32, max(16, 4096 // BK))
+    favor = None
+    BK, BF, BV, BT, warps, stages, splits, SPAN = bidirectional_blocks(N, H, K, F, V, T, favor)
+    meta = dict(BT=BT, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, FAVOR_PRECISION=favor,
+                DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=H // HK, num_warps=warps, num_stages=stages)
+    x_scale, f_scale = K ** -0.25, F ** -0.5
+    part = q.new_empty(N, H, splits, F, VS, dtype=torch.float32)
+    bidirectional_state_kernel[(N * H, ceil_div(V, BV), splits)](
+        k, v, omega, part, cu_seqlens, T, H, K, V, F, VS, splits, x_scale, f_scale, **meta)
+    state = part.sum(2)
+    if initial_state is not None:
+        state += initial_state
     o = torch.empty_like(v)
-    ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else None
-    grid = (N * H, ceil_div(V, BV))
-    bidirectional_fwd_kernel[grid](
-        q, k, v, omega, initial_state, o, ht, cu_seqlens,
-        T, H, K, V, F, VS, scale, K ** -0.25, F ** -0.5,
-        BT=BT, BK=BK, BF=BF, BV=BV,
-        IS_VARLEN=cu_seqlens is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        FAVOR_PRECISION="f64" if q.dtype == torch.float32 else "ieee", QK_GROUP=H // HK, num_warps=4 if BF <= 64 else 8, num_stages=2,
-    )
-    return o, ht
+    span_offsets, span_seq, n_slots = chunk_slots(cu_seqlens, B, T, SPAN)
+    bidirectional_output_kernel[(H * n_slots, ceil_div(V, BV))](
+        q, omega, state, o, cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots, scale, x_scale, f_scale,
+        SPAN=SPAN, **meta)
+    return o, state if output_final_state else None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and bidirectional (state, then readout).

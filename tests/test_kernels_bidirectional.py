@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attngen
-from attngen import codegen
+from attngen import codegen, kernel_lib
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
@@ -59,6 +59,41 @@ def test_varlen(name, initial_state):
     """Packed sequences, one of length 1, one past a tile: each its own state and initial state."""
     shape = Shape(batch=1, q_len=100, heads=2, head_dim=8, value_dim=6, cu_seqlens=(0, 1, 18, 83, 100))
     check(name, shape, initial_state=initial_state)
+
+
+@pytest.mark.parametrize("cu", [None, (0, 1, 200, 300)], ids=["dense", "varlen"])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_parts_and_spans(name, cu, monkeypatch, poison_fresh_buffers):
+    """Sequences cut into several parts by the state step (their float32 states added after it, one
+    part of a one-token sequence empty) and into spans of one token tile by the output step (packed:
+    kernel_lib.chunk_slots's slots, spare ones past the end): the interpreter's results, every output
+    written (fresh buffers NaN-filled)."""
+    monkeypatch.setattr(kernel_lib, "BIDIRECTIONAL_MIN_TILES", 1)
+    monkeypatch.setattr(kernel_lib, "BIDIRECTIONAL_SPAN_TILES", 1)
+    shape = Shape(batch=1 if cu else 2, q_len=300 if cu else 150, heads=2, head_dim=8, value_dim=6, cu_seqlens=cu)
+    N = len(cu) - 1 if cu else 2
+    _, _, _, BT, _, _, splits, span = kernel_lib.bidirectional_blocks(N, 2, 8, 8, 6, 300)
+    assert splits > 1 and span == BT < 150
+    check(name, shape)
+    check(name, shape, torch.bfloat16, seed=1)
+
+
+def test_bidirectional_launch():
+    """The bidirectional kernels' blocks (BK, BF, BV, BT, warps, stages, splits, SPAN): a [128, 128] float32 state
+    block at eight warps for K = V = 128, narrower value blocks past 128 features, parts enough for two
+    programs per multiprocessor (B4 H16: 64 programs, 5 parts of a sequence of 8192 tokens; one part at B4
+    T256); FAVOR+'s 32-token tiles, and its float64 projections past 128 key lanes in one stage at 64 value
+    lanes (sm_90's shared memory)."""
+    blocks = kernel_lib.bidirectional_blocks
+    assert blocks(4, 16, 128, 128, 128, 4 * 8192) == (128, 128, 128, 64, 8, 2, 5, 256)
+    assert blocks(4, 16, 128, 64, 128, 4 * 8192, "bf16") == (128, 64, 128, 32, 8, 2, 5, 128)
+    assert blocks(1, 8, 256, 256, 256, 8192)[:6] == (256, 256, 64, 32, 8, 2)
+    assert blocks(1, 2, 256, 64, 256, 1000, "f64")[:6] == (256, 64, 64, 16, 4, 1)
+    assert blocks(1, 2, 256, 64, 256, 1000, "bf16")[:6] == (256, 64, 128, 16, 8, 2)
+    assert blocks(4, 16, 128, 128, 128, 4 * 256)[6] == 1
+    assert blocks(1, 2, 8, 8, 6, 37)[:6] == (16, 16, 16, 64, 4, 2)
+    assert [kernel_lib.bidirectional_favor_precision(d, K) for d, K in
+            ((torch.float32, 128), (torch.bfloat16, 32), (torch.float16, 64))] == ["f64", "ieee", kernel_lib.chunked_dot_precision(torch.float16)]
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "performer"])
