@@ -688,7 +688,8 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int, decay: bool = False
     # per multiprocessor), as every tuned H200 entry of forgetting_attention at 128 lanes took (B2, B4, B16
     # T8192 H16 D128 bf16: forward 3.11 -> 1.62, 5.83 -> 3.07, 24.37 -> 11.98 ms; attngen/tables); up to 64
     # lanes, 128-query blocks (2.93 -> 2.30 ms at B2 T8192 H32 D64).
-    if decay and size == 2 and 64 < max(BK, BV) <= 128:
+    decay128 = decay and size == 2 and 64 < max(BK, BV) <= 128
+    if decay128:
         BN, stages, last_first = 128, 1, 0
     elif decay and size == 2 and max(BK, BV) <= 64:
         BM = min(128, lanes(max_q))
@@ -713,7 +714,7 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int, decay: bool = False
     for kernel, cap in (("dq", lanes(max_q)), ("dkdv", lanes(max_k))):
         if wide16:
             block, tile, bwd_warps = min(64, cap), min(64, cap), 8
-        elif size == 2 and decay and max(BK, BV) > 64:
+        elif decay128:
             # the tuned H200 entries of forgetting_attention at 128 lanes (backward at B4 T8192 H16 D128
             # bf16: 21.19 -> 13.92 ms): 64-key dq tiles, 32-query dk/dv tiles
             block, tile, bwd_warps = (128, 64, 8) if kernel == "dq" else (64, 32, 4)
