@@ -1141,7 +1141,9 @@ def explain(plan_: Plan) -> str:
 MEMORY = {
     "softmax": "training memory (kernels): the forward saves o and the log-sum-exp (O(T) per head); "
                "the backward recomputes the scores tile by tile",
-    "bidirectional": "training memory (kernels): the forward saves o; the backward recomputes through the "
+    "bidirectional": "training memory (kernels): the forward saves o and its state (F x V per sequence and head, "
+                     "float32); the backward's steps keep the state gradient (as many values) and the parts of both "
+                     "states while they are summed; float32 FAVOR+ past 64 key lanes on CUDA recomputes through the "
                      "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "

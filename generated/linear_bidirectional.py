@@ -402,23 +402,32 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 #    launcher adds the parts and S0 (a sum over SPLITS of float32 states, in order: deterministic).
 # 2. bidirectional_output_kernel: o = q̂ S, one program per (value head, span of SPAN
 #    tokens of one sequence, value block), the state block [BF, BV] loaded once per span.
+# The backward runs the same two steps and one more, each parallel over the tokens:
+# 1. bidirectional_state_kernel with GRAD: dS = Σ_t q̂_t dO_t^T;
+#    the launcher adds the parts and the final state's gradient.
+# 2. bidirectional_output_kernel with GRAD: dv = k̂ dS.
+# 3. bidirectional_rows_grad_kernel: the gradient of q (dq̂ = S dO) and, in a launch of its own, of
+#    k (dk̂ = dS v), each through the feature map's chain rule.
 # Keys are featurized transposed, [BK, BT] -> [BF, BT], so that k̂^T v is a plain dot (no tl.trans of
 # a dot result). Features in float32 (FAVOR+'s projections: bidirectional_favor_precision);
 # the dots on the tensor cores at the inputs' precision (chunked_dot: bf16 operands for bf16, tf32 for
 # fp16, whose features outgrow 65504, tf32x3 for float32), accumulated in float32. H is the value
-# (state) heads; q and k have H // QK_GROUP heads (grouped value heads, qk_rows).
-
+# (state) heads; q and k have H // QK_GROUP heads (grouped value heads, qk_rows; 1 in the backward,
+# which runs on q and k expanded to the value heads).
 @triton.jit
 def bidirectional_state_kernel(
     # pointers
-    k, v, omega, part, cu_seqlens,
+    k, v, omega, state, part, cu_seqlens,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr, SPLITS,
-    x_scale, f_scale,
+    scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+    GRAD: tl.constexpr,
 ):
+    # GRAD (the backward's step 1): k is q, its features times scale, and v is dO: the part holds
+    # Σ q̂ dO^T
     i_nh, i_v, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -444,11 +453,13 @@ def bidirectional_state_kernel(
         o_t = i_t + tl.arange(0, BT)
         m_t = o_t < hi
         i_tok = (bos + o_t) * H + i_h
-        # [BK, BT] keys, loaded transposed -> [BF, BT] features
+        # [BK, BT] keys (GRAD: queries), loaded transposed -> [BF, BT] features
         b_kt = tl.load(k + (i_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
 
-        # [BT, BV]
+        # [BT, BV] values (GRAD: dO)
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if GRAD:
+            b_kt = b_kt * scale
         b_h = chunked_dot(b_kt, b_v, DOT_PRECISION, b_h)
 
     # part [N, H, SPLITS, F, VS]
@@ -466,18 +477,20 @@ def bidirectional_output_kernel(
     # meta
     SPAN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
+    GRAD: tl.constexpr,
 ):
+    # GRAD (the backward's step 2): q is k, state is dS and o is dv = k̂ dS (scale 1)
+    i_pid, i_v = tl.program_id(0), tl.program_id(1)
     # program -> (value head, span slot): a head's spans are neighbours in launch order and share its
     # state in L2. Slot i_slot is span c of sequence i_n: dense, cdiv(T, SPAN) slots per sequence in order;
     # packed, kernel_lib.chunk_slots's slots (spare ones past the last sequence's end: no tokens)
-    i_pid, i_v = tl.program_id(0), tl.program_id(1)
     i_h, i_slot = i_pid // n_slots, i_pid % n_slots
     if IS_VARLEN:
         i_n = tl.load(span_seq + i_slot).to(tl.int32)
         c = i_slot - tl.load(span_offsets + i_n).to(tl.int32)
     else:
-        i_n = i_slot // tl.cdiv(T, SPAN)
-        c = i_slot % tl.cdiv(T, SPAN)
+        n_spans = tl.cdiv(T, SPAN)
+        i_n, c = i_slot // n_spans, i_slot % n_spans
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
@@ -489,10 +502,11 @@ def bidirectional_output_kernel(
 
     o_k = tl.arange(0, BK)
     o_f = tl.arange(0, BF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
-    # [BF, BV] the sequence's state block, state [N, H, F, VS]
+    m_k, m_f = o_k < K, o_f < F
     p_state = state + ((i_n.to(tl.int64) * H + i_h) * F + o_f) * VS
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    # [BF, BV] the sequence's state block
     b_h = tl.load(p_state[:, None] + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
     for i_t in range(lo, hi, BT):
         o_t = i_t + tl.arange(0, BT)
@@ -507,9 +521,76 @@ def bidirectional_output_kernel(
         tl.store(o + i_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
-def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state):
-    """Launch the bidirectional form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
-    grouped value heads) -> o, final state."""
+@triton.jit
+def bidirectional_rows_grad_kernel(
+    # pointers
+    x, y, omega, state, dx, cu_seqlens, span_offsets, span_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
+    n_slots, scale, x_scale, f_scale,
+    # meta
+    SPAN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QUERIES: tl.constexpr,
+):
+    # the backward's step 3, the gradient of the rows x [B, T, H, K] (the value heads) read through a state M [N, H, F, VS],
+    # y [B, T, H, V] the rows they meet there: QUERIES, x = q, y = dO, M = S: dq̂ = (S dO), times
+    # scale; else x = k, y = v, M = dS: dk̂ = dS v. One program per (value head, span), the
+    # value lanes by blocks of BV: [BT, BF] accumulates y M^T
+    i_pid = tl.program_id(0)
+    # program -> (value head, span slot): a head's spans are neighbours in launch order and share its
+    # state in L2. Slot i_slot is span c of sequence i_n: dense, cdiv(T, SPAN) slots per sequence in order;
+    # packed, kernel_lib.chunk_slots's slots (spare ones past the last sequence's end: no tokens)
+    i_h, i_slot = i_pid // n_slots, i_pid % n_slots
+    if IS_VARLEN:
+        i_n = tl.load(span_seq + i_slot).to(tl.int32)
+        c = i_slot - tl.load(span_offsets + i_n).to(tl.int32)
+    else:
+        n_spans = tl.cdiv(T, SPAN)
+        i_n, c = i_slot // n_spans, i_slot % n_spans
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+    lo = c * SPAN
+    hi = tl.minimum(lo + SPAN, T_seq)
+
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    p_state = state + ((i_n.to(tl.int64) * H + i_h) * F + o_f) * VS
+    for i_t in range(lo, hi, BT):
+        o_t = i_t + tl.arange(0, BT)
+        m_t = o_t < hi
+        i_tok = (bos + o_t) * H + i_h
+        # [BT, BF] y M^T by value blocks: y [BT, BV], M transposed by the load [BV, BF]
+        b_dx = tl.zeros([BT, BF], dtype=tl.float32)
+        for i_v in range(0, tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            b_y = tl.load(y + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_mt = tl.load(p_state[None, :] + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+            b_dx = chunked_dot(b_y, b_mt, DOT_PRECISION, b_dx)
+        # [BT, BK] the rows -> their feature-map pieces, x_hat [BT, BF]
+        b_x = tl.load(x + i_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_x_phi = b_x
+        b_x_hat = b_x_phi
+        if QUERIES:
+            # the gradient of x_hat (before scale)
+            b_dx = b_dx * scale
+
+        tl.store(dx + i_tok[:, None] * K + o_k[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+
+
+def bidirectional_launch(q, v, omega, cu_seqlens, grad=None):
+    """The bidirectional kernels' launch for q [B, T, HK, K], v [B, T, H, V]: (dims, blocks, meta) with
+    dims (B, T, H, K, V, F, VS, N), blocks (splits, SPAN) and meta the kernels' common meta arguments;
+    grad: the backward's ("state": its state step, "rows": the others). Where the forward's feature maps
+    take float64 products (float32 inputs of FAVOR+), the backward's take float32 ones but in the state step
+    up to 64 key lanes (Triton 3.6 lowers float64 dots in the forward's layouts only, "fp64 don't support
+    largeK MMA"; the state step's float64 tiles asked for 294,912 B of shared memory at K = 128, past
+    sm_90's 232,448)."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
@@ -517,21 +598,77 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     favor = None
     BK, BF, BV, BT, warps, stages, splits, SPAN = bidirectional_blocks(N, H, K, F, V, T, favor)
+    if favor == "f64" and (grad == "rows" or (grad == "state" and BK > 64)):
+        favor = "ieee"
     meta = dict(BT=BT, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, FAVOR_PRECISION=favor,
-                DOT_PRECISION=chunked_dot_precision(q.dtype), QK_GROUP=H // HK, num_warps=warps, num_stages=stages)
-    x_scale, f_scale = K ** -0.25, F ** -0.5
+                DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+    return (B, T, H, K, V, F, VS, N), (splits, SPAN), meta
+
+
+def bidirectional_state(q, k, v, omega, cu_seqlens, scale, state, grad):
+    """Step 1: the state S [N, H, F, VS] float32 of k, v (grad: dS of q, v = dO, from the forward's state)."""
+    (B, T, H, K, V, F, VS, N), (splits, _), meta = bidirectional_launch(q, v, omega, cu_seqlens, "state" if grad else None)
     part = q.new_empty(N, H, splits, F, VS, dtype=torch.float32)
-    bidirectional_state_kernel[(N * H, ceil_div(V, BV), splits)](
-        k, v, omega, part, cu_seqlens, T, H, K, V, F, VS, splits, x_scale, f_scale, **meta)
-    state = part.sum(2)
+    bidirectional_state_kernel[(N * H, ceil_div(V, meta["BV"]), splits)](
+        q if grad else k, v, omega, state, part, cu_seqlens, T, H, K, V, F, VS, splits, scale, K ** -0.25, F ** -0.5,
+        QK_GROUP=H // q.shape[2], GRAD=grad, **meta)
+    return part.sum(2)
+
+
+def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state, for_backward):
+    """Launch the bidirectional form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
+    grouped value heads) -> o, final state, what the backward reuses (for_backward: the state)."""
+    (B, T, H, K, V, F, VS, N), (_, SPAN), meta = bidirectional_launch(q, v, omega, cu_seqlens)
+    state = bidirectional_state(q, k, v, omega, cu_seqlens, scale, None, False)
     if initial_state is not None:
         state += initial_state
     o = torch.empty_like(v)
     span_offsets, span_seq, n_slots = chunk_slots(cu_seqlens, B, T, SPAN)
-    bidirectional_output_kernel[(H * n_slots, ceil_div(V, BV))](
-        q, omega, state, o, cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots, scale, x_scale, f_scale,
-        SPAN=SPAN, **meta)
-    return o, state if output_final_state else None
+    bidirectional_output_kernel[(H * n_slots, ceil_div(V, meta["BV"]))](
+        q, omega, state, o, cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots, scale, K ** -0.25, F ** -0.5,
+        SPAN=SPAN, QK_GROUP=H // q.shape[2], GRAD=False, **meta)
+    # the outputs may not alias: the final state a copy where the backward keeps the state too
+    ht = (state.clone() if for_backward else state) if output_final_state else None
+    return o, ht, state if for_backward else None
+
+
+# Float32 inputs of FAVOR+ past 64 key lanes on CUDA: the backward recomputes through the PyTorch form. At those
+# lanes the backward's state step asked for 294,912 B of shared memory with float64 projections and takes float32
+# ones (229,376 B at K = 128, Triton 3.6's ptxas), which Triton's interpreter checks but no GPU has run yet
+# (BENCHMARKS.md, 2026-12-05 seventh run).
+def kernel_backward(form, q, omega):
+    """Whether the kernels compute the gradients of a call of `form` on q [B, T, HK, K] (BACKWARD_FORMS), or
+    attngen's runtime recomputes them through the PyTorch form."""
+    if form not in BACKWARD_FORMS:
+        return False
+    return not (q.device.type == "cuda" and q.dtype == torch.float32 and omega is not None and q.shape[-1] > 64)
+
+
+def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, do, dht):
+    """The bidirectional form's gradients (dq, dk, dv, None, None, None, dh0, None in the op's input order)
+    from its state `saved` (empty: recomputed), the output's gradient do and the final state's dht (or None).
+    q and k have the value heads (the backward's grouped value heads run on copies)."""
+    contiguous = lambda t: t.contiguous() if t is not None else None  # noqa: E731
+    q, k, v, initial_state, cu_seqlens, do, dht = map(contiguous, (q, k, v, initial_state, cu_seqlens, do, dht))
+    (B, T, H, K, V, F, VS, N), (_, SPAN), meta = bidirectional_launch(q, v, omega, cu_seqlens, "rows")
+    state = saved
+    if state is None or not state.numel():
+        state = bidirectional_state(q, k, v, omega, cu_seqlens, scale, None, False)
+        if initial_state is not None:
+            state += initial_state
+    dstate = bidirectional_state(q, k, do, omega, cu_seqlens, scale, state, True)
+    if dht is not None:
+        dstate += dht
+    span_offsets, span_seq, n_slots = chunk_slots(cu_seqlens, B, T, SPAN)
+    spans = (cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots)
+    dv = torch.empty_like(v)
+    bidirectional_output_kernel[(H * n_slots, ceil_div(V, meta["BV"]))](
+        k, omega, dstate, dv, *spans, 1.0, K ** -0.25, F ** -0.5, SPAN=SPAN, QK_GROUP=1, GRAD=True, **meta)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    for x, y, m, dx, queries in ((q, do, state, dq, True), (k, v, dstate, dk, False)):
+        bidirectional_rows_grad_kernel[(H * n_slots,)](
+            x, y, omega, m, dx, *spans, scale, K ** -0.25, F ** -0.5, SPAN=SPAN, QUERIES=queries, **meta)
+    return dq, dk, dv, None, None, None, dstate if initial_state is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
 # Kernel forms: recurrent (the token loop) and bidirectional (state, then readout).
@@ -539,7 +676,8 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
 def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
             state_indices=None):
     """Run the kernels of one form (launch: [], these kernels take no launch knobs). Returns
-    (o [B, T, H, V], final state [N, H, F, Vs] or None, None: the backward reuses nothing).
+    (o [B, T, H, V], final state [N, H, F, Vs] or None, what the backward reuses or None: with
+    for_backward, the bidirectional form's state [N, H, F, Vs] float32).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -550,7 +688,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     if form == "recurrent":
         return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
                                state_indices), None)
-    return (*bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state), None)
+    return bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state, for_backward)
 
 
 @torch.library.custom_op("attngen::linear_bidirectional_6713cd25c17849f5", mutates_args=())
@@ -574,13 +712,14 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht, q.new_empty(0, dtype=torch.float32)
+    saved = q.new_empty(N, H, F, VS, dtype=torch.float32) if for_backward and form != "recurrent" else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(v), ht, saved
 
 
 # ---------------------------------------------------------------------------- the backward
 # Forms whose gradients the kernels compute; the runtime recomputes the others through the
 # PyTorch forms.
-BACKWARD_FORMS = RECURRENT_BACKWARD
+BACKWARD_FORMS = RECURRENT_BACKWARD + ("parallel",)
 
 
 def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
@@ -588,7 +727,7 @@ def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, 
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
-        raise ValueError(f"form: the kernels have no backward for form {form!r}")
+        grads = bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, do, dht)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
@@ -673,7 +812,7 @@ def _first_order(ctx, *grads):
     # the output's gradient a tensor even where no loss reached the output
     grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
-    if form in BACKWARD_FORMS:
+    if kernel_backward(form, inputs[0], inputs[SAVED_INPUTS.index("omega")]):
         got = backward(*inputs, *ctx.rest, *outputs, *grads)
     else:
         got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)

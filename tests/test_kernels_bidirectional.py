@@ -5,6 +5,7 @@ state fully written. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,9 +129,101 @@ def test_float64_inputs_run_the_pytorch_forms(name, monkeypatch):
     assert rel_error(o, ref_o) < FLOAT64_RTOL and rel_error(ht, ref_ht) < FLOAT64_RTOL
 
 
-def test_gradients_through_the_op():
-    """The op keeps the signature the runtime's autograd wraps (backward: the PyTorch form)."""
-    check("linear_transformer", Shape(batch=1, q_len=20, heads=2, head_dim=8, value_dim=6), with_grads=True)
+@pytest.fixture
+def kernel_bwd(monkeypatch):
+    """name -> (op, calls): the op of a spec with its module's bidirectional_bwd counted (each call
+    records whether it got the forward's state to reuse)."""
+    def make(name):
+        op = attngen.load(SPECS[name])
+        module = codegen.load_module(op.spec)
+        assert "parallel" in module.BACKWARD_FORMS
+        real, calls = module.bidirectional_bwd, []
+
+        def counted(*args):
+            calls.append(args[-3] is not None and args[-3].numel() > 0)
+            return real(*args)
+
+        monkeypatch.setattr(module, "bidirectional_bwd", counted)
+        return op, calls
+    return make
+
+
+def check_grads(kernel_bwd, name, shape, dtype=torch.float32, initial_state=True, seed=0):
+    op, calls = kernel_bwd(name)
+    inputs = random_inputs(op.spec, shape, seed=seed, initial_state=initial_state)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True)
+    assert calls == [True], "the kernels' backward did not run once on the forward's state"
+    names = {n for n, _, _ in rows}
+    assert {"dq", "dk", "dv"} <= names and ("dinitial_state" in names) == initial_state
+    failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
+    assert not failures, f"{name} {dtype} on {shape}:\n" + "\n".join(failures)
+
+
+@pytest.mark.usefixtures("poison_fresh_buffers")
+@pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])
+@pytest.mark.parametrize("dname", list(DTYPES))
+@pytest.mark.parametrize("name", list(SPECS))
+def test_gradients(kernel_bwd, name, dname, initial_state):
+    """The backward's kernels (dS by the state step, dv by the output step, dq and dk by the rows step)
+    against the oracle's gradients, a loss on the output and on the final state: every feature map, the
+    l2 norm, the sum normalizer, with and without an initial state; every gradient written."""
+    check_grads(kernel_bwd, name, Shape(batch=2, q_len=37, heads=2, head_dim=8, value_dim=12), DTYPES[dname],
+                initial_state)
+
+
+@pytest.mark.parametrize("K, V, T", [(20, 5, 1), (8, 130, 21), (72, 40, 65)])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_gradients_head_dims_and_lengths(kernel_bwd, name, K, V, T):
+    """One token; K not a power of two; two value blocks (the rows step's loop over them, the normalizer's
+    dO·o over them in the state step); F > 64; a partial second token tile."""
+    check_grads(kernel_bwd, name, Shape(batch=1, q_len=T, heads=1, head_dim=K, value_dim=V), seed=K)
+
+
+@pytest.mark.usefixtures("poison_fresh_buffers")
+@pytest.mark.parametrize("cu", [None, (0, 1, 200, 300)], ids=["dense", "varlen"])
+@pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
+def test_gradients_parts_and_spans(kernel_bwd, name, cu, monkeypatch):
+    """The backward's steps over parts and spans of one token tile, packed sequences (one of one token)."""
+    monkeypatch.setattr(kernel_lib, "BIDIRECTIONAL_MIN_TILES", 1)
+    monkeypatch.setattr(kernel_lib, "BIDIRECTIONAL_SPAN_TILES", 1)
+    shape = Shape(batch=1 if cu else 2, q_len=300 if cu else 150, heads=2, head_dim=8, value_dim=6, cu_seqlens=cu)
+    check_grads(kernel_bwd, name, shape)
+    check_grads(kernel_bwd, name, shape, torch.bfloat16, seed=1)
+
+
+def test_kernel_backward_gate():
+    """On CUDA, float32 inputs of FAVOR+ past 64 key lanes recompute through the PyTorch form (their backward
+    kernels have not run on a GPU); every other call of the parallel form runs the kernels' backward."""
+    module = codegen.load_module(attngen.load(SPECS["performer"]).spec)
+    omega = torch.zeros(16, 72)
+
+    def q(device, dtype, K):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 5, 2, K))
+
+    assert not module.kernel_backward("parallel", q("cuda", torch.float32, 72), omega)
+    assert module.kernel_backward("parallel", q("cuda", torch.float32, 64), omega)
+    assert module.kernel_backward("parallel", q("cuda", torch.bfloat16, 128), omega)
+    assert module.kernel_backward("parallel", q("cpu", torch.float32, 72), omega)
+    assert not module.kernel_backward("chunked", q("cpu", torch.float32, 8), omega)
+    identity = codegen.load_module(attngen.load(SPECS["identity"]).spec)
+    assert identity.kernel_backward("parallel", q("cuda", torch.float32, 128), None)
+
+
+@pytest.mark.parametrize("name", ["linear_transformer", "performer"])
+def test_backward_without_the_saved_state(name):
+    """The backward's kernels given no state (what a forward run without for_backward leaves) recompute it:
+    the same gradients as from the forward's."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=30, heads=2, head_dim=8, value_dim=6), dtype=torch.float32)
+    q, k, v, h0 = (inputs[n] for n in ("q", "k", "v", "initial_state"))
+    omega = op.features(8, q.device, torch.float32)
+    _, _, saved = module.bidirectional_fwd(q, k, v, omega, h0, None, 0.3, False, True)
+    do = torch.randn_like(v)
+    got = module.bidirectional_bwd(q, k, v, omega, h0, None, 0.3, saved, do, None)
+    again = module.bidirectional_bwd(q, k, v, omega, h0, None, 0.3, q.new_empty(0), do, None)
+    for a, b in zip(got, again):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("initial_state", [True, False], ids=["h0", "no_h0"])

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import attngen
+from attngen import codegen
 from attngen.testing import Shape, compare, random_inputs
 
-from specs import shipped
+from specs import SHIPPED, shipped
 
 SPECS = shipped()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -34,5 +35,28 @@ def test_gradients_match_oracle(path, dname, T, d):
     where = "cuda" if T > 1000 else "cpu"
     inputs = {n: t.to(where) for n, t in random_inputs(op.spec, shape, seed=T * 7 + d).items()}
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, DTYPES[dname], with_grads=True, device="cuda")
+    bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
+    assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("T", [63, 1000])
+@pytest.mark.parametrize("d", [100, 128])
+def test_bidirectional_float32_favor_kernels(d, T, monkeypatch):
+    """The bidirectional backward's kernels for float32 FAVOR+ past 64 key lanes, which the runtime sends to the
+    PyTorch form on CUDA (kernel_backward) until they have passed here: the module's gate opened."""
+    op = attngen.load(SHIPPED["performer_bidirectional"])
+    module = codegen.load_module(op.spec)
+    assert not module.kernel_backward("parallel", torch.empty(1, 1, 1, d, device="cuda"), torch.empty(1))
+    real, calls = module.bidirectional_bwd, []
+
+    def counted(*args):
+        calls.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(module, "kernel_backward", lambda form, q, omega: form in module.BACKWARD_FORMS)
+    monkeypatch.setattr(module, "bidirectional_bwd", counted)
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=T, heads=2, head_dim=d, value_dim=d), seed=T * 7 + d)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.float32, with_grads=True, device="cuda")
+    assert calls, "the kernels' backward did not run"
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
