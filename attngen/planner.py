@@ -1115,6 +1115,24 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     return forward, backward
 
 
+def bidirectional_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """The bidirectional linear kernels in launch order, (forward, backward), each step (kernel, what it
+    does), as templates/linear_bidirectional.py.jinja launches them; ((), ()) for other specs."""
+    if not spec.is_linear or spec.mask != "bidirectional":
+        return (), ()
+    norm = spec.normalize == "sum"
+    parts = "parallel over parts of each sequence (kernel_lib.bidirectional_blocks), the parts' float32 states added in order"
+    forward = (("bidirectional_state_kernel", f"{parts}: S = Σ k̂ v^T" + (", z = Σ k̂" if norm else "")),
+               ("bidirectional_output_kernel", "parallel over spans of tokens: o = q̂ S" + (" / (q̂ z + eps)" if norm else "")))
+    backward = (("bidirectional_state_kernel", f"{parts}, from the forward's state: dS = Σ q̂ dO^T"
+                 + (" / d, dz = -Σ q̂ (dO·o) / d, d and o recomputed by rows" if norm else "")),
+                ("bidirectional_output_kernel", "parallel over spans of tokens: dv = k̂ dS"),
+                ("bidirectional_rows_grad_kernel", "parallel over spans of tokens, launched for q and for k: dq̂ = S dO"
+                 + (" / d - z (q̂·S dO) / d^2" if norm else "") + ", dk̂ = dS v" + (" + dz" if norm else "")
+                 + ", each through the feature map's chain rule"))
+    return forward, backward
+
+
 def step_names(steps: tuple[tuple[str, str], ...], prefix: str) -> tuple[str, ...]:
     """The step templates' names of chunked_steps' kernels named prefix...: chunked_bwd_dq_kernel -> dq
     (prefix chunked_bwd_: the backward's own steps, not the forward's it recomputes)."""
@@ -1128,10 +1146,11 @@ def explain(plan_: Plan) -> str:
         lines.append(f"\nform {form.name}: {form.doc}")
         for i, stage in enumerate(form.stages, 1):
             lines.append(f"  {i:2d}. {stage.signature():<70s} # {stage.doc}")
-    forward, backward = chunked_steps(plan_.spec)
+    kind = "bidirectional" if plan_.spec.mask == "bidirectional" else "chunked"
+    forward, backward = (bidirectional_steps if kind == "bidirectional" else chunked_steps)(plan_.spec)
     for name, steps in (("forward", forward), ("backward", backward)):
         if steps:
-            lines.append(f"\nchunked kernels, {name}, in launch order:")
+            lines.append(f"\n{kind} kernels, {name}, in launch order:")
             lines += [f"  {i:2d}. {kernel:<32s} # {doc}" for i, (kernel, doc) in enumerate(steps, 1)]
     lines.append("\n" + MEMORY[_memory_key(plan_.spec)])
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attngen
-from attngen import codegen, kernel_lib
+from attngen import codegen, kernel_lib, planner
 from attngen.reference import reference
 from attngen.testing import FLOAT64_RTOL, Shape, compare, random_inputs, rel_error
 
@@ -189,6 +189,19 @@ def test_gradients_parts_and_spans(kernel_bwd, name, cu, monkeypatch):
     shape = Shape(batch=1 if cu else 2, q_len=300 if cu else 150, heads=2, head_dim=8, value_dim=6, cu_seqlens=cu)
     check_grads(kernel_bwd, name, shape)
     check_grads(kernel_bwd, name, shape, torch.bfloat16, seed=1)
+
+
+@pytest.mark.parametrize("name", ["identity", "performer"])
+def test_explain_lists_the_kernels(name):
+    """attngen explain's bidirectional steps, forward and backward, are kernels of the spec's module."""
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    forward, backward = planner.bidirectional_steps(op.spec)
+    assert [k for k, _ in forward] == ["bidirectional_state_kernel", "bidirectional_output_kernel"]
+    assert [k for k, _ in backward] == [k for k, _ in forward] + ["bidirectional_rows_grad_kernel"]
+    assert all(callable(getattr(module, k, None)) for k, _ in backward)
+    text = planner.explain(planner.plan(op.spec))
+    assert "bidirectional kernels, backward, in launch order" in text and ("dz" in text) == (name == "performer")
 
 
 def test_kernel_backward_gate():
