@@ -446,7 +446,6 @@ def bidirectional_state_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
 
-
     # [BF, BV] the part's state block
     b_h = tl.zeros([BF, BV], dtype=tl.float32)
     for i_t in range(lo, hi, BT):
@@ -455,7 +454,6 @@ def bidirectional_state_kernel(
         i_tok = (bos + o_t) * H + i_h
         # [BK, BT] keys (GRAD: queries), loaded transposed -> [BF, BT] features
         b_kt = tl.load(k + (i_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-
         # [BT, BV] values (GRAD: dO)
         b_v = tl.load(v + i_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         if GRAD:
@@ -514,7 +512,6 @@ def bidirectional_output_kernel(
         i_tok = (bos + o_t) * H + i_h
         # [BT, BK] -> [BT, BF]
         b_q = tl.load(q + (i_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
         b_q = b_q * scale
         # [BT, BV]
         b_o = chunked_dot(b_q, b_h, DOT_PRECISION)
@@ -579,7 +576,6 @@ def bidirectional_rows_grad_kernel(
         if QUERIES:
             # the gradient of x_hat (before scale)
             b_dx = b_dx * scale
-
         tl.store(dx + i_tok[:, None] * K + o_k[None, :], b_dx.to(dx.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
 
 
