@@ -1162,8 +1162,7 @@ MEMORY = {
                "the backward recomputes the scores tile by tile",
     "bidirectional": "training memory (kernels): the forward saves o and its state (F x V per sequence and head, "
                      "float32); the backward's steps keep the state gradient (as many values) and the parts of both "
-                     "states while they are summed; float32 FAVOR+ past 64 key lanes on CUDA recomputes through the "
-                     "PyTorch form (autograd keeps its O(T (F + V)) intermediates)",
+                     "states while they are summed",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
               "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, "

@@ -628,18 +628,6 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     return o, ht, state if for_backward else None
 
 
-# Float32 inputs of FAVOR+ past 64 key lanes on CUDA: the backward recomputes through the PyTorch form. At those
-# lanes the backward's state step asked for 294,912 B of shared memory with float64 projections and takes float32
-# ones (229,376 B at K = 128, Triton 3.6's ptxas), which Triton's interpreter checks but no GPU has run yet
-# (BENCHMARKS.md, 2026-12-05 seventh run).
-def kernel_backward(form, q, omega):
-    """Whether the kernels compute the gradients of a call of `form` on q [B, T, HK, K] (BACKWARD_FORMS), or
-    attngen's runtime recomputes them through the PyTorch form."""
-    if form not in BACKWARD_FORMS:
-        return False
-    return not (q.device.type == "cuda" and q.dtype == torch.float32 and omega is not None and q.shape[-1] > 64)
-
-
 def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, do, dht):
     """The bidirectional form's gradients (dq, dk, dv, None, None, None, dh0, None in the op's input order)
     from its state `saved` (empty: recomputed), the output's gradient do and the final state's dht (or None).
@@ -808,7 +796,7 @@ def _first_order(ctx, *grads):
     # the output's gradient a tensor even where no loss reached the output
     grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
-    if kernel_backward(form, inputs[0], inputs[SAVED_INPUTS.index("omega")]):
+    if form in BACKWARD_FORMS:
         got = backward(*inputs, *ctx.rest, *outputs, *grads)
     else:
         got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)

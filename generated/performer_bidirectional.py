@@ -695,8 +695,9 @@ def bidirectional_rows_grad_kernel(
         b_x_hat = b_x_phi
         if QUERIES:
             # 1 / d and the normalizer's term: dq̂ = (S dO) / d - z (q̂·S dO) / d^2, q̂ with scale
-            b_r = 1.0 / (tl.sum(b_x_hat * scale * b_zc[None, :], 1) + 1e-06)
-            b_e = -tl.sum(b_x_hat * scale * b_dx, 1) * b_r * b_r
+            b_q_hat = b_x_hat * scale
+            b_r = 1.0 / (tl.sum(b_q_hat * b_zc[None, :], 1) + 1e-06)
+            b_e = -tl.sum(b_q_hat * b_dx, 1) * b_r * b_r
             b_dx = b_dx * b_r[:, None] + b_e[:, None] * b_zc[None, :]
             # the gradient of x_hat (before scale)
             b_dx = b_dx * scale
@@ -755,18 +756,6 @@ def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_f
     # the outputs may not alias: the final state a copy where the backward keeps the state too
     ht = (state.clone() if for_backward else state) if output_final_state else None
     return o, ht, state if for_backward else None
-
-
-# Float32 inputs of FAVOR+ past 64 key lanes on CUDA: the backward recomputes through the PyTorch form. At those
-# lanes the backward's state step asked for 294,912 B of shared memory with float64 projections and takes float32
-# ones (229,376 B at K = 128, Triton 3.6's ptxas), which Triton's interpreter checks but no GPU has run yet
-# (BENCHMARKS.md, 2026-12-05 seventh run).
-def kernel_backward(form, q, omega):
-    """Whether the kernels compute the gradients of a call of `form` on q [B, T, HK, K] (BACKWARD_FORMS), or
-    attngen's runtime recomputes them through the PyTorch form."""
-    if form not in BACKWARD_FORMS:
-        return False
-    return not (q.device.type == "cuda" and q.dtype == torch.float32 and omega is not None and q.shape[-1] > 64)
 
 
 def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, do, dht):
@@ -937,7 +926,7 @@ def _first_order(ctx, *grads):
     # the output's gradient a tensor even where no loss reached the output
     grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
-    if kernel_backward(form, inputs[0], inputs[SAVED_INPUTS.index("omega")]):
+    if form in BACKWARD_FORMS:
         got = backward(*inputs, *ctx.rest, *outputs, *grads)
     else:
         got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)

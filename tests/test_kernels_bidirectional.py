@@ -5,7 +5,6 @@ state fully written. Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
 from itertools import pairwise
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,24 +201,6 @@ def test_explain_lists_the_kernels(name):
     assert all(callable(getattr(module, k, None)) for k, _ in backward)
     text = planner.explain(planner.plan(op.spec))
     assert "bidirectional kernels, backward, in launch order" in text and ("dz" in text) == (name == "performer")
-
-
-def test_kernel_backward_gate():
-    """On CUDA, float32 inputs of FAVOR+ past 64 key lanes recompute through the PyTorch form (their backward
-    kernels have not run on a GPU); every other call of the parallel form runs the kernels' backward."""
-    module = codegen.load_module(attngen.load(SPECS["performer"]).spec)
-    omega = torch.zeros(16, 72)
-
-    def q(device, dtype, K):
-        return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 5, 2, K))
-
-    assert not module.kernel_backward("parallel", q("cuda", torch.float32, 72), omega)
-    assert module.kernel_backward("parallel", q("cuda", torch.float32, 64), omega)
-    assert module.kernel_backward("parallel", q("cuda", torch.bfloat16, 128), omega)
-    assert module.kernel_backward("parallel", q("cpu", torch.float32, 72), omega)
-    assert not module.kernel_backward("chunked", q("cpu", torch.float32, 8), omega)
-    identity = codegen.load_module(attngen.load(SPECS["identity"]).spec)
-    assert identity.kernel_backward("parallel", q("cuda", torch.float32, 128), None)
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "performer"])

@@ -42,18 +42,16 @@ def test_gradients_match_oracle(path, dname, T, d):
 @pytest.mark.parametrize("T", [63, 1000])
 @pytest.mark.parametrize("d", [100, 128])
 def test_bidirectional_float32_favor_kernels(d, T, monkeypatch):
-    """The bidirectional backward's kernels for float32 FAVOR+ past 64 key lanes, which the runtime sends to the
-    PyTorch form on CUDA (kernel_backward) until they have passed here: the module's gate opened."""
+    """The bidirectional backward's kernels for float32 FAVOR+ past 64 key lanes (float32 projections in the state
+    step, where the forward's float64 ones would not fit in shared memory) run and match the oracle."""
     op = attngen.load(SHIPPED["performer_bidirectional"])
     module = codegen.load_module(op.spec)
-    assert not module.kernel_backward("parallel", torch.empty(1, 1, 1, d, device="cuda"), torch.empty(1))
     real, calls = module.bidirectional_bwd, []
 
     def counted(*args):
         calls.append(True)
         return real(*args)
 
-    monkeypatch.setattr(module, "kernel_backward", lambda form, q, omega: form in module.BACKWARD_FORMS)
     monkeypatch.setattr(module, "bidirectional_bwd", counted)
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=T, heads=2, head_dim=d, value_dim=d), seed=T * 7 + d)
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, torch.float32, with_grads=True, device="cuda")
