@@ -1124,12 +1124,14 @@ def bidirectional_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[
     parts = "parallel over parts of each sequence (kernel_lib.bidirectional_blocks), the parts' float32 states added in order"
     forward = (("bidirectional_state_kernel", f"{parts}: S = Σ k̂ v^T" + (", z = Σ k̂" if norm else "")),
                ("bidirectional_output_kernel", "parallel over spans of tokens: o = q̂ S" + (" / (q̂ z + eps)" if norm else "")))
-    backward = (("bidirectional_state_kernel", f"{parts}, from the forward's state: dS = Σ q̂ dO^T"
-                 + (" / d, dz = -Σ q̂ (dO·o) / d, d and o recomputed by rows" if norm else "")),
+    backward = (("bidirectional_rows_grad_kernel", "parallel over spans of tokens, for q: dq̂ = S dO"
+                 + (" / d - z (q̂·S dO) / d^2, and each token's weights 1 / d and -(dO·o) / d" if norm else "")
+                 + ", through the feature map's chain rule"),
+                ("bidirectional_state_kernel", f"{parts}: dS = Σ q̂ dO^T"
+                 + (" / d, dz = -Σ q̂ (dO·o) / d, from the tokens' weights" if norm else "")),
                 ("bidirectional_output_kernel", "parallel over spans of tokens: dv = k̂ dS"),
-                ("bidirectional_rows_grad_kernel", "parallel over spans of tokens, launched for q and for k: dq̂ = S dO"
-                 + (" / d - z (q̂·S dO) / d^2" if norm else "") + ", dk̂ = dS v" + (" + dz" if norm else "")
-                 + ", each through the feature map's chain rule"))
+                ("bidirectional_rows_grad_kernel", "parallel over spans of tokens, for k: dk̂ = dS v"
+                 + (" + dz" if norm else "") + ", through the feature map's chain rule"))
     return forward, backward
 
 
@@ -1161,8 +1163,9 @@ MEMORY = {
     "softmax": "training memory (kernels): the forward saves o and the log-sum-exp (O(T) per head); "
                "the backward recomputes the scores tile by tile",
     "bidirectional": "training memory (kernels): the forward saves o and its state (F x V per sequence and head, "
-                     "float32); the backward's steps keep the state gradient (as many values) and the parts of both "
-                     "states while they are summed",
+                     "float32); the backward's steps keep the state gradient (as many values), with the sum normalizer "
+                     "two float32 weights per token (1 / d and -(dO·o) / d), and the parts of both states while they "
+                     "are summed",
     "causal": "training memory (kernels): the forward saves o and the final state; the chunked forward "
               "keeps, only during the call, the chunk-start states (T/C x F x V per head: bf16 for bf16 inputs, "
               "float32 with vector decay or other inputs; the sum normalizer's column T/C x F float32) and the decayed keys (T x F values, "

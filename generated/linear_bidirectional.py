@@ -403,11 +403,11 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 # 2. bidirectional_output_kernel: o = q̂ S, one program per (value head, span of SPAN
 #    tokens of one sequence, value block), the state block [BF, BV] loaded once per span.
 # The backward runs the same two steps and one more, each parallel over the tokens:
-# 1. bidirectional_state_kernel with GRAD: dS = Σ_t q̂_t dO_t^T;
+# 1. bidirectional_rows_grad_kernel for q: dq̂ = S dO, through the feature map's chain rule.
+# 2. bidirectional_state_kernel with GRAD: dS = Σ_t q̂_t dO_t^T;
 #    the launcher adds the parts and the final state's gradient.
-# 2. bidirectional_output_kernel with GRAD: dv = k̂ dS.
-# 3. bidirectional_rows_grad_kernel: the gradient of q (dq̂ = S dO) and, in a launch of its own, of
-#    k (dk̂ = dS v), each through the feature map's chain rule.
+# 3. bidirectional_output_kernel with GRAD: dv = k̂ dS.
+# 4. bidirectional_rows_grad_kernel for k: dk̂ = dS v, through the feature map's chain rule.
 # Keys are featurized transposed, [BK, BT] -> [BF, BT], so that k̂^T v is a plain dot (no tl.trans of
 # a dot result). Features in float32 (FAVOR+'s projections: bidirectional_favor_precision);
 # the dots on the tensor cores at the inputs' precision (chunked_dot: bf16 operands for bf16, tf32 for
@@ -417,7 +417,7 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 @triton.jit
 def bidirectional_state_kernel(
     # pointers
-    k, v, omega, state, part, cu_seqlens,
+    k, v, omega, weights, part, cu_seqlens,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr, SPLITS,
     scale, x_scale, f_scale,
@@ -426,7 +426,7 @@ def bidirectional_state_kernel(
     IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
     GRAD: tl.constexpr,
 ):
-    # GRAD (the backward's step 1): k is q, its features times scale, and v is dO: the part holds
+    # GRAD (the backward's step 2): k is q, its features times scale, and v is dO: the part holds
     # Σ q̂ dO^T
     i_nh, i_v, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
@@ -521,7 +521,7 @@ def bidirectional_output_kernel(
 @triton.jit
 def bidirectional_rows_grad_kernel(
     # pointers
-    x, y, omega, state, dx, cu_seqlens, span_offsets, span_seq,
+    x, y, omega, state, dx, weights, cu_seqlens, span_offsets, span_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
     n_slots, scale, x_scale, f_scale,
@@ -529,10 +529,11 @@ def bidirectional_rows_grad_kernel(
     SPAN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QUERIES: tl.constexpr,
 ):
-    # the backward's step 3, the gradient of the rows x [B, T, H, K] (the value heads) read through a state M [N, H, F, VS],
-    # y [B, T, H, V] the rows they meet there: QUERIES, x = q, y = dO, M = S: dq̂ = (S dO), times
-    # scale; else x = k, y = v, M = dS: dk̂ = dS v. One program per (value head, span), the
-    # value lanes by blocks of BV: [BT, BF] accumulates y M^T
+    # the backward's steps 1 and 4, the gradient of the rows x [B, T, H, K] (the value heads) read through a state
+    # M [N, H, F, VS], y [B, T, H, V] the rows they meet there: QUERIES, x = q, y = dO, M = S: dq̂ = (S dO),
+    # times scale; else x = k, y = v,
+    # M = dS: dk̂ = dS v. One program per (value head, span), the value lanes by blocks of BV: [BT, BF]
+    # accumulates y M^T
     i_pid = tl.program_id(0)
     # program -> (value head, span slot): a head's spans are neighbours in launch order and share its
     # state in L2. Slot i_slot is span c of sequence i_n: dense, cdiv(T, SPAN) slots per sequence in order;
@@ -583,10 +584,9 @@ def bidirectional_launch(q, v, omega, cu_seqlens, grad=None):
     """The bidirectional kernels' launch for q [B, T, HK, K], v [B, T, H, V]: (dims, blocks, meta) with
     dims (B, T, H, K, V, F, VS, N), blocks (splits, SPAN) and meta the kernels' common meta arguments;
     grad: the backward's ("state": its state step, "rows": the others). Where the forward's feature maps
-    take float64 products (float32 inputs of FAVOR+), the backward's take float32 ones but in the state step
-    up to 64 key lanes (Triton 3.6 lowers float64 dots in the forward's layouts only, "fp64 don't support
-    largeK MMA"; the state step's float64 tiles asked for 294,912 B of shared memory at K = 128, past
-    sm_90's 232,448)."""
+    take float64 products (float32 inputs of FAVOR+), so does the backward's state step (the forward's
+    layout); the rows steps take float32 ones (Triton 3.6 lowers float64 dots in the forward's layouts only,
+    "fp64 don't support largeK MMA")."""
     B, T, HK, K = q.shape
     H, V = v.shape[2:]
     F = omega.shape[0] if omega is not None else K
@@ -594,19 +594,19 @@ def bidirectional_launch(q, v, omega, cu_seqlens, grad=None):
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     favor = None
     BK, BF, BV, BT, warps, stages, splits, SPAN = bidirectional_blocks(N, H, K, F, V, T, favor)
-    if favor == "f64" and (grad == "rows" or (grad == "state" and BK > 64)):
+    if favor == "f64" and grad == "rows":
         favor = "ieee"
     meta = dict(BT=BT, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, FAVOR_PRECISION=favor,
                 DOT_PRECISION=chunked_dot_precision(q.dtype), num_warps=warps, num_stages=stages)
     return (B, T, H, K, V, F, VS, N), (splits, SPAN), meta
 
 
-def bidirectional_state(q, k, v, omega, cu_seqlens, scale, state, grad):
-    """Step 1: the state S [N, H, F, VS] float32 of k, v (grad: dS of q, v = dO, from the forward's state)."""
+def bidirectional_state(q, k, v, omega, cu_seqlens, scale, weights, grad):
+    """The state step: S [N, H, F, VS] float32 of k, v (grad: dS of q, v = dO)."""
     (B, T, H, K, V, F, VS, N), (splits, _), meta = bidirectional_launch(q, v, omega, cu_seqlens, "state" if grad else None)
     part = q.new_empty(N, H, splits, F, VS, dtype=torch.float32)
     bidirectional_state_kernel[(N * H, ceil_div(V, meta["BV"]), splits)](
-        q if grad else k, v, omega, state, part, cu_seqlens, T, H, K, V, F, VS, splits, scale, K ** -0.25, F ** -0.5,
+        q if grad else k, v, omega, weights, part, cu_seqlens, T, H, K, V, F, VS, splits, scale, K ** -0.25, F ** -0.5,
         QK_GROUP=H // q.shape[2], GRAD=grad, **meta)
     return part.sum(2)
 
@@ -640,18 +640,19 @@ def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, d
         state = bidirectional_state(q, k, v, omega, cu_seqlens, scale, None, False)
         if initial_state is not None:
             state += initial_state
-    dstate = bidirectional_state(q, k, do, omega, cu_seqlens, scale, state, True)
-    if dht is not None:
-        dstate += dht
     span_offsets, span_seq, n_slots = chunk_slots(cu_seqlens, B, T, SPAN)
     spans = (cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots)
-    dv = torch.empty_like(v)
+    rows = lambda x, y, m, dx, w, queries: bidirectional_rows_grad_kernel[(H * n_slots,)](  # noqa: E731
+        x, y, omega, m, dx, w, *spans, scale, K ** -0.25, F ** -0.5, SPAN=SPAN, QUERIES=queries, **meta)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    weights = None
+    rows(q, do, state, dq, weights, True)
+    dstate = bidirectional_state(q, k, do, omega, cu_seqlens, scale, weights, True)
+    if dht is not None:
+        dstate += dht
     bidirectional_output_kernel[(H * n_slots, ceil_div(V, meta["BV"]))](
         k, omega, dstate, dv, *spans, 1.0, K ** -0.25, F ** -0.5, SPAN=SPAN, QK_GROUP=1, GRAD=True, **meta)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    for x, y, m, dx, queries in ((q, do, state, dq, True), (k, v, dstate, dk, False)):
-        bidirectional_rows_grad_kernel[(H * n_slots,)](
-            x, y, omega, m, dx, *spans, scale, K ** -0.25, F ** -0.5, SPAN=SPAN, QUERIES=queries, **meta)
+    rows(k, v, dstate, dk, None, False)
     return dq, dk, dv, None, None, None, dstate if initial_state is not None else None, None
 
 # ---------------------------------------------------------------------------- the op
