@@ -757,15 +757,18 @@ def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, d
     spans = (cu_seqlens, span_offsets, span_seq, T, H, K, V, F, VS, n_slots)
     rows = lambda x, y, m, dx, w, queries: bidirectional_rows_grad_kernel[(H * n_slots,)](  # noqa: E731
         x, y, omega, m, dx, w, *spans, scale, K ** -0.25, F ** -0.5, SPAN=SPAN, QUERIES=queries, **meta)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # each gradient allocated when its step runs: the state step's parts are released before dv and dk are made
+    dq = torch.empty_like(q)
     # each token's 1 / d and -(dO·o) / d, from the rows step for q to the state step
     weights = q.new_empty(B, T, H, 2, dtype=torch.float32)
     rows(q, do, state, dq, weights, True)
     dstate = bidirectional_state(q, k, do, omega, cu_seqlens, scale, weights, True)
     if dht is not None:
         dstate += dht
+    dv = torch.empty_like(v)
     bidirectional_output_kernel[(H * n_slots, ceil_div(V, meta["BV"]))](
         k, omega, dstate, dv, *spans, 1.0, K ** -0.25, F ** -0.5, SPAN=SPAN, QK_GROUP=1, GRAD=True, **meta)
+    dk = torch.empty_like(k)
     rows(k, v, dstate, dk, None, False)
     return dq, dk, dv, None, None, None, dstate if initial_state is not None else None, None
 
