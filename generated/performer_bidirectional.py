@@ -562,7 +562,7 @@ def bidirectional_output_kernel(
     IS_VARLEN: tl.constexpr, FAVOR_PRECISION: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_GROUP: tl.constexpr,
     GRAD: tl.constexpr,
 ):
-    # GRAD (the backward's step 2): q is k, state is dS and o is dv = k̂ dS (scale 1, no normalizer)
+    # GRAD (the backward's step 3): q is k, state is dS and o is dv = k̂ dS (scale 1, no normalizer)
     i_pid, i_v = tl.program_id(0), tl.program_id(1)
     # program -> (value head, span slot): a head's spans are neighbours in launch order and share its
     # state in L2. Slot i_slot is span c of sequence i_n: dense, cdiv(T, SPAN) slots per sequence in order;

@@ -173,8 +173,8 @@ def test_gradients(kernel_bwd, name, dname, initial_state):
 @pytest.mark.parametrize("K, V, T", [(20, 5, 1), (8, 130, 21), (72, 40, 65)])
 @pytest.mark.parametrize("name", ["identity", "linear_transformer", "performer"])
 def test_gradients_head_dims_and_lengths(kernel_bwd, name, K, V, T):
-    """One token; K not a power of two; two value blocks (the rows step's loop over them, the normalizer's
-    dO·o over them in the state step); F > 64; a partial second token tile."""
+    """One token; K not a power of two; two value blocks (the rows step's loop over them, which also sums the
+    normalizer's dO·o for the state step); F > 64; a partial second token tile."""
     check_grads(kernel_bwd, name, Shape(batch=1, q_len=T, heads=1, head_dim=K, value_dim=V), seed=K)
 
 

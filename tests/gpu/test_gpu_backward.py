@@ -42,8 +42,8 @@ def test_gradients_match_oracle(path, dname, T, d):
 @pytest.mark.parametrize("T", [63, 1000])
 @pytest.mark.parametrize("d", [100, 128])
 def test_bidirectional_float32_favor_kernels(d, T, monkeypatch):
-    """The bidirectional backward's kernels for float32 FAVOR+ past 64 key lanes (float32 projections in the state
-    step, where the forward's float64 ones would not fit in shared memory) run and match the oracle."""
+    """The bidirectional backward's kernels for float32 FAVOR+ past 64 key lanes (float64 projections in the state
+    step, as in the forward; float32 ones in the rows steps) run and match the oracle."""
     op = attngen.load(SHIPPED["performer_bidirectional"])
     module = codegen.load_module(op.spec)
     real, calls = module.bidirectional_bwd, []
