@@ -601,9 +601,10 @@ def bidirectional_launch(q, v, omega, cu_seqlens, grad=None):
     return (B, T, H, K, V, F, VS, N), (splits, SPAN), meta
 
 
-def bidirectional_state(q, k, v, omega, cu_seqlens, scale, weights, grad):
-    """The state step: S [N, H, F, VS] float32 of k, v (grad: dS of q, v = dO)."""
-    (B, T, H, K, V, F, VS, N), (splits, _), meta = bidirectional_launch(q, v, omega, cu_seqlens, "state" if grad else None)
+def bidirectional_state(launch, q, k, v, omega, cu_seqlens, scale, weights, grad):
+    """The state step at `launch` (bidirectional_launch's; grad: "state"): S [N, H, F, VS] float32 of k, v
+    (grad: dS of q, v = dO)."""
+    (B, T, H, K, V, F, VS, N), (splits, _), meta = launch
     part = q.new_empty(N, H, splits, F, VS, dtype=torch.float32)
     bidirectional_state_kernel[(N * H, ceil_div(V, meta["BV"]), splits)](
         q if grad else k, v, omega, weights, part, cu_seqlens, T, H, K, V, F, VS, splits, scale, K ** -0.25, F ** -0.5,
@@ -614,8 +615,9 @@ def bidirectional_state(q, k, v, omega, cu_seqlens, scale, weights, grad):
 def bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state, for_backward):
     """Launch the bidirectional form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
     grouped value heads) -> o, final state, what the backward reuses (for_backward: the state)."""
-    (B, T, H, K, V, F, VS, N), (_, SPAN), meta = bidirectional_launch(q, v, omega, cu_seqlens)
-    state = bidirectional_state(q, k, v, omega, cu_seqlens, scale, None, False)
+    launch = bidirectional_launch(q, v, omega, cu_seqlens)
+    (B, T, H, K, V, F, VS, N), (_, SPAN), meta = launch
+    state = bidirectional_state(launch, q, k, v, omega, cu_seqlens, scale, None, False)
     if initial_state is not None:
         state += initial_state
     o = torch.empty_like(v)
@@ -637,7 +639,8 @@ def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, d
     (B, T, H, K, V, F, VS, N), (_, SPAN), meta = bidirectional_launch(q, v, omega, cu_seqlens, "rows")
     state = saved
     if state is None or not state.numel():
-        state = bidirectional_state(q, k, v, omega, cu_seqlens, scale, None, False)
+        state = bidirectional_state(bidirectional_launch(q, v, omega, cu_seqlens), q, k, v, omega, cu_seqlens, scale,
+                                    None, False)
         if initial_state is not None:
             state += initial_state
     span_offsets, span_seq, n_slots = chunk_slots(cu_seqlens, B, T, SPAN)
@@ -648,7 +651,8 @@ def bidirectional_bwd(q, k, v, omega, initial_state, cu_seqlens, scale, saved, d
     dq = torch.empty_like(q)
     weights = None
     rows(q, do, state, dq, weights, True)
-    dstate = bidirectional_state(q, k, do, omega, cu_seqlens, scale, weights, True)
+    dstate = bidirectional_state(bidirectional_launch(q, do, omega, cu_seqlens, "state"), q, k, do, omega, cu_seqlens,
+                                 scale, weights, True)
     if dht is not None:
         dstate += dht
     dv = torch.empty_like(v)
