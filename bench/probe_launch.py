@@ -11,6 +11,12 @@ chunked launch's stages refitted): ChunkedLaunch knobs for linear specs, Softmax
 how a clamp of planner.fit_chunked is tested before it is lifted: a launch that fails here stays held.
 `--from-table FILE` appends to each spec's variants the launch of that tuning table's entry for the
 spec at the timed shape (how a shipped table's launches are held to the oracle).
+
+The bidirectional specs' launch is kernel_lib.bidirectional_blocks', not a planner launch: their variants
+name a step, "step:knob=value" (step fwd, state or rows: bidirectional_launch's grad; knob BT, BV,
+num_warps or num_stages of its meta; BT also sets the span), e.g. "rows:num_stages=1,state:num_stages=3".
+`--favor-split` takes FAVOR+'s projections of 16-bit inputs as three bf16 dots of hi and lo parts
+instead of tf32x3 (kernel_lib.favor_dot replaced in this process).
 """
 from __future__ import annotations
 
@@ -21,16 +27,20 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
-from attngen import bench, planner, tuning  # noqa: E402
+from attngen import bench, codegen, kernel_lib, planner, tuning  # noqa: E402
 from attngen.testing import Shape, bench_inputs, compare, random_inputs, rel_error  # noqa: E402
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 _fit = planner.fit_chunked
 _fit_softmax = planner.fit_softmax
 OVERRIDE: dict[str, int] = {}
+BIDIRECTIONAL_STEPS = ("fwd", "state", "rows")
+BIDIRECTIONAL_KNOBS = ("BT", "BV", "num_warps", "num_stages")
 
 
 def _fit_with_override(spec, call, dtype, launch, chunk=None):
@@ -51,11 +61,59 @@ planner.fit_softmax = _fit_softmax_with_override
 
 def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
     """'knob=value,...' of ChunkedLaunch (linear specs) or SoftmaxLaunch (softmax ones) (planner.parse_knobs);
-    the launch of the spec's family takes them (a knob of the other family fails that variant)."""
+    the launch of the spec's family takes them (a knob of the other family fails that variant). The
+    bidirectional specs' 'step:knob=value' items are kept as they are named."""
+    plain = [item for item in filter(None, text.split(",")) if ":" not in item]
     try:
-        return planner.parse_knobs(text)
+        knobs = planner.parse_knobs(",".join(plain))
     except ValueError as e:
         raise SystemExit(f"{option}: {e}") from None
+    for item in filter(None, text.split(",")):
+        if ":" in item:
+            name, _, value = item.partition("=")
+            step, _, knob = name.partition(":")
+            if step not in BIDIRECTIONAL_STEPS or knob not in BIDIRECTIONAL_KNOBS or not value.isdigit():
+                raise SystemExit(f"{option}: {item!r}: expected step:knob=value, step one of {BIDIRECTIONAL_STEPS}, "
+                                 f"knob one of {BIDIRECTIONAL_KNOBS}, a non-negative integer value")
+            knobs[name] = int(value)
+    return knobs
+
+
+def bidirectional_override(real, variant: dict[str, int]):
+    """bidirectional_launch with the variant's 'step:knob' values over its meta (BT also sets the span)."""
+    def launch(q, v, omega, cu_seqlens, grad=None):
+        dims, (splits, span), meta = real(q, v, omega, cu_seqlens, grad)
+        over = {k.partition(":")[2]: n for k, n in variant.items() if k.partition(":")[0] == (grad or "fwd")}
+        if "BT" in over:
+            span = over["BT"] * kernel_lib.BIDIRECTIONAL_SPAN_TILES
+        return dims, (splits, span), {**meta, **over}
+    return launch
+
+
+def short_kernel(name: str) -> str:
+    """A kernel's name in the table: chunked_bwd_dq_kernel -> bwd_dq; a C++ template's arguments dropped."""
+    return name.replace("chunked_", "").replace("bidirectional_", "").replace("_kernel", "").split("<")[0]
+
+
+def use_favor_split() -> None:
+    """FAVOR+'s projections of 16-bit inputs as three bf16 dots of hi / lo parts (about 2^-16 relative)
+    instead of tf32x3: kernel_lib.favor_dot replaced before any kernel compiles."""
+    @triton.jit
+    def favor_dot_split(a, b, BK: tl.constexpr, PRECISION: tl.constexpr):
+        if PRECISION == "f64":
+            c = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+        elif (PRECISION == "bf16" or PRECISION == "tf32") and BK <= 128:
+            a_hi = a.to(tl.bfloat16)
+            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
+            b_hi = b.to(tl.bfloat16)
+            b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+            c = tl.dot(a_hi, b_lo)
+            c = tl.dot(a_lo, b_hi, c)
+            c = tl.dot(a_hi, b_hi, c)
+        else:
+            c = tl.dot(a, b, input_precision="ieee")
+        return c
+    kernel_lib.favor_dot = favor_dot_split
 
 
 def output(result):
@@ -96,7 +154,7 @@ def isolated(args) -> int:
         for variant in spec_variants(args, name):
             cmd = [sys.executable, __file__, "--specs", name, "--variants", variant, "--B", str(args.B), "--T", str(args.T),
                    "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype, "--kernels", str(args.kernels)] + (["--no-oracle"] if args.no_oracle else []) + (
-                ["--module", args.module] if args.module else [])
+                ["--module", args.module] if args.module else []) + (["--favor-split"] if args.favor_split else [])
             out = subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()
             line = out[-1] if out and out[-1].startswith(name) else f"{name:<20s} {variant:<34s} no result: {(out or ['?'])[-1][:200]}"
             print(line, flush=True)
@@ -121,6 +179,8 @@ def main() -> int:
                    "(one spec) run in place of the rendering: how a kernel edit is timed and held to the oracle before "
                    "it goes into a template")
     p.add_argument("--from-table", default=None, metavar="FILE", help="also each spec's launch in this tuning table")
+    p.add_argument("--favor-split", action="store_true", help="FAVOR+'s projections of 16-bit inputs as three bf16 "
+                   "dots of hi and lo parts instead of tf32x3")
     p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
                    "address leaves the process's CUDA context unusable); no agreement column then")
     args = p.parse_args()
@@ -132,6 +192,8 @@ def main() -> int:
         parse_variant(v)
     if args.isolate:
         return isolated(args)
+    if args.favor_split:
+        use_favor_split()
     dtype = getattr(torch, args.dtype)
     table = []
     for name in args.specs.split(","):
@@ -142,17 +204,28 @@ def main() -> int:
             spec = attngen.spec.load_spec(SPECS / f"{name}.yaml")
             codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
         op = attngen.load(SPECS / f"{name}.yaml")
+        bidirectional = op.spec.is_linear and op.spec.mask == "bidirectional"
+        module = codegen.load_module(op.spec) if bidirectional else None
+        real = module.bidirectional_launch if bidirectional else None
         shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
         big = bench_inputs(op.spec, shape, dtype, "cuda", requires_grad=True)
         small = random_inputs(op.spec, Shape(batch=1, q_len=1000, heads=2, head_dim=args.D, value_dim=args.D), seed=7)
         ref = None
         for variant in map(parse_variant, spec_variants(args, name)):
+            stepped = {k: v for k, v in variant.items() if ":" in k}
             OVERRIDE.clear()
-            OVERRIDE.update(variant)
+            OVERRIDE.update({k: v for k, v in variant.items() if ":" not in k})
             tuning._remembered.cache_clear()
             label = ",".join(f"{k}={v}" for k, v in variant.items()) or "planner"
             try:
-                launch = tuning.choose(op.spec, planner.launch_family(op.spec), attngen.runtime.check_call(op, big), dtype, "cuda").launch
+                if (OVERRIDE if bidirectional else stepped):
+                    raise ValueError("bidirectional specs take step:knob=value knobs, the others knob=value")
+                if bidirectional:
+                    module.bidirectional_launch = bidirectional_override(real, stepped)
+                    launch = f"bidirectional_blocks' with {stepped or 'nothing'} over it"
+                else:
+                    launch = tuning.choose(op.spec, planner.launch_family(op.spec), attngen.runtime.check_call(op, big),
+                                           dtype, "cuda").launch
                 worst = "-"
                 if not args.no_oracle:
                     rows = compare(op.spec, lambda **kw: op(**kw), small, dtype, with_grads=True, device="cuda")
@@ -165,14 +238,15 @@ def main() -> int:
                     fwd_ms = bench.do_bench_timer(False)(lambda: output(op(**big)))
                 run = bench.step(lambda: output(op(**big)), True, big)
                 ms = bench.do_bench_timer(True)(run)
-                kernels = ", ".join(f"{k.replace('chunked_', '').replace('_kernel', '')} {us:.0f}"
-                                    for k, us in bench.profile(run)[:args.kernels])
+                kernels = ", ".join(f"{short_kernel(k)} {us:.0f}" for k, us in bench.profile(run)[:args.kernels])
                 line = f"{name:<20s} {label:<34s} fwd {fwd_ms:6.3f}  fwd+bwd {ms:8.3f} ms  oracle(err/tol) {worst:<14s} vs first {agree:<8s} | {kernels}"
                 print(f"   launch {launch}", flush=True)
             except Exception as e:  # noqa: BLE001 -- a failing variant is a row saying why
                 line = f"{name:<20s} {label:<34s} failed: {type(e).__name__}: {str(e)[:200]}"
             print(line, flush=True)
             table.append(line)
+        if bidirectional:
+            module.bidirectional_launch = real
     print("\n".join(["", "spec / variant / fwd, fwd+bwd ms / worst oracle error over tolerance / largest rel diff from the first variant"] + table))
     return 0
 
