@@ -196,7 +196,7 @@ def flops(spec: Spec, shape: Shape, bwd: bool) -> float:
         fwd = 2.0 * pairs * (K + V) * B * H
         return fwd * (3.5 if bwd else 1.0)
     Fd = spec.feature_dim(K)
-    fwd = (6.0 if spec.update == "delta" else 4.0) * Fd * V * B * Tq * H
+    fwd = spec.rule.state_flops * Fd * V * B * Tq * H
     return fwd * (3.0 if bwd else 1.0)
 
 

@@ -160,14 +160,14 @@ def check_linear(spec: Spec, q, k, v, g=None, beta=None, scale=None, initial_sta
         _tensor("g", g, len(expect[1]), expect[0])
         _expect("g", g, expect[1], expect[0])
         _same("g", g, q, dtype=False)
-    if spec.update == "delta":
+    if spec.rule.takes_beta:
         if beta is None:
-            raise ValueError("beta: this spec has update: delta, so beta of shape [B, T, HV] is required")
+            raise ValueError(f"beta: this spec has update: {spec.update}, so beta of shape [B, T, HV] is required")
         _tensor("beta", beta, 3, "[B, T, HV]")
         _expect("beta", beta, (B, T, HV), "[B, T, HV]")
         _same("beta", beta, q, dtype=False)
     elif beta is not None:
-        raise ValueError(f"beta: this spec has update: additive, so beta must be None; got a tensor {_shape(beta)}")
+        raise ValueError(f"beta: this spec has update: {spec.update}, so beta must be None; got a tensor {_shape(beta)}")
 
     varlen = cu_seqlens is not None
     N, max_len = _sequences(cu_seqlens, q, B, T)

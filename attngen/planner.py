@@ -147,7 +147,7 @@ def _linear_forms(spec: Spec) -> tuple[Form, ...]:
     chunk = [_s("chunk_decay", ("gs",), "G", "cumulative log decay inside each chunk"),
              _s("intra_chunk", ("qs", "ks", "G"), "P", "decayed causal q.k scores inside each chunk")]
     scan_in = {"qs": "qs", "ks": "ks", "values": "vs", "G": "G", "P": "P", "s0": "initial_state"}
-    if spec.update == "delta":
+    if spec.rule.ut_transform:
         chunk.append(_s("ut_transform", ("ks", "vs", "bs", "G"), ("W", "U"),
                         "WY representation: solve (I + A) [W U] = diag(beta) [K*Gamma V]"))
         scan_in.update(values="U", W="W")
@@ -453,7 +453,7 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
     in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32."""
     tile = 2 if dtype == torch.bfloat16 else 4
-    if spec.update == "delta":
+    if spec.rule.ut_transform:
         size = chunk * (2 * BF + BV) * tile
     else:
         size = chunk * (BF * tile + BV * dtype.itemsize)
@@ -466,7 +466,7 @@ def bwd_states_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torc
     chunked_pass_dtype, the additive rule's dU (dv's local part) in float32. do is in the input
     dtype, do / n in chunked_pass_dtype with normalize sum."""
     tile = 2 if dtype == torch.bfloat16 else 4
-    if spec.update == "delta":
+    if spec.rule.ut_transform:
         return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
     return chunk * (2 * BF * tile + BV * (4 + (tile if spec.normalize == "sum" else dtype.itemsize)))
 
@@ -490,7 +490,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         # chunks at four warps verified for these steps.
         states_BV, output_BV = 64, 128
         prepare_warps = states_warps = output_warps = 4
-        if spec.update == "delta" and spec.decay != "vector":
+        if spec.rule.ut_transform and spec.decay != "vector":
             # The UT step of scalar-decay and plain delta rules stays at two warps: its 64-row
             # 16-bit dots are those Triton 3.6 miscompiled at four (and at four it took 1126 us
             # against 679).
@@ -503,7 +503,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # - four warps at 32-token chunks: 98,304 B of shared memory, 14,068 B spilled. Their dots
     #   have 32 rows, below the 64-row wgmma tiles that Triton 3.6 miscompiled in 16-bit at K = V = 128.
     bwd_chunk, bwd_stages = 32, 3
-    if (dtype == torch.bfloat16 and spec.update == "additive" and spec.decay != "vector"
+    if (dtype == torch.bfloat16 and not spec.rule.ut_transform and spec.decay != "vector"
             and spec.feature_map != "favor_plus" and spec.qk_norm == "none" and BF <= 128
             and lanes(call.value_dim) <= 128):
         # No, scalar and constant decay (Linear Transformer, Mamba2, RetNet): the additive rules'
@@ -525,7 +525,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # delta rules: their fused UT step was faster (642 against 773 us at 64-token chunks), their
     # backward's UT step at eight warps slower (gated_deltanet 6.33 -> 7.11 ms, deltanet 4.55 -> 4.86).
     wu_warps, bwd_wy_warps = (0, 4)
-    if dtype == torch.bfloat16 and spec.update == "delta" and spec.decay == "vector":
+    if dtype == torch.bfloat16 and spec.rule.ut_transform and spec.decay == "vector":
         wu_warps, bwd_wy_warps = 4, 8
     # The backward's W, U0 and keys from the forward's (I + A)^-1 (where its chunk divides the
     # forward's) at two warps: B4 T8192 H16 K = V = 128 bf16 on the H200, fwd+bwd gated_deltanet 5.826
@@ -540,7 +540,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # it; BENCHMARKS.md 2026-12-04). The additive rules measured best at BV (mamba2, retnet, gla,
     # linear_transformer).
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
-    if dtype == torch.bfloat16 and spec.update == "delta" and BF <= 128:
+    if dtype == torch.bfloat16 and spec.rule.ut_transform and BF <= 128:
         bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
     # The forward's chunk: 32 tokens in bf16 past 128 feature lanes (two warps, [BT, 256] tiles), where
     # measured faster. B2 T8192 H8 K = V = 256 on the H200 (bench/probe_launch.py, BENCHMARKS.md
@@ -591,9 +591,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # go to wgmma) these take chunks of at most 32 tokens, whose dots have 32 rows. The
         # forward's other steps and the additive rules' backward were verified at 64-token chunks
         # and four warps.
-        if spec.update == "delta" and spec.decay != "vector" and max(launch.prepare_warps, launch.wu_warps) >= 4:
+        if spec.rule.ut_transform and spec.decay != "vector" and max(launch.prepare_warps, launch.wu_warps) >= 4:
             fwd_chunk = min(fwd_chunk, 32)
-        if spec.update == "delta" and max(launch.bwd_warps, launch.bwd_dq_warps, launch.bwd_dk_warps,
+        if spec.rule.ut_transform and max(launch.bwd_warps, launch.bwd_dq_warps, launch.bwd_dk_warps,
                                           launch.bwd_wy_warps, launch.bwd_wu_warps) >= 4:
             bwd_chunk = min(bwd_chunk, 32)
     output_BV = launch.output_BV
@@ -610,14 +610,14 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
         # state pass at one stage and 32 value lanes. Their outputs are right in Triton's interpreter.
         # Held to the verified widths: 64 value lanes and more (the defaults' 128 and 64)
         output_BV = max(output_BV, 64)
-        if spec.update == "delta" and launch.stages == 1:
+        if spec.rule.ut_transform and launch.stages == 1:
             states_BV = max(states_BV, 64)
     V = lanes(call.value_dim)
     bwd_states_BV = launch.bwd_states_BV
-    if spec.update == "delta":
+    if spec.rule.ut_transform:
         states_BV = segment_lanes(call, launch, states_BV, fwd_chunk)
         bwd_states_BV = segment_lanes(call, launch, bwd_states_BV, bwd_chunk)
-    if spec.update != "delta":
+    if not spec.rule.ut_transform:
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
         launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2, bwd_wy_BV=launch.BV)
     if keys_in_passes(spec):
@@ -810,7 +810,7 @@ def parallel(spec: Spec, method: str | None = None) -> Parallel:
         legal, reason = ("keys",), "softmax attention"
     elif spec.mask == "bidirectional":
         legal, reason = ("sum",), "bidirectional linear attention"
-    elif spec.update == "additive":
+    elif not spec.rule.ut_transform:
         legal, reason = ("decay", "affine"), "additive rule: M from g alone, no F x F exchange"
     else:
         legal, reason = ("affine",), "delta rule: M depends on the keys"
@@ -948,7 +948,7 @@ def ut_inverse(spec: Spec) -> str:
     decay, "substitution" (16 dependent rows) otherwise. Which is faster depends on the kernel around
     it (the H200 at K = V = 128 bf16, bench/probe_ut.py): kda's step 1095 against 1439 us at 16-token
     chunks and 2770 against 3003 at 32; gated_deltanet's 1110 against 593 at 64."""
-    if not (spec.is_linear and spec.update == "delta"):
+    if not (spec.is_linear and spec.rule.ut_transform):
         return ""
     return "doubling" if spec.decay == "vector" else "substitution"
 
@@ -962,7 +962,7 @@ def stored_features(spec: Spec) -> bool:
     features (three dots at tf32x3) and a layout of them in registers, where a stored tile is one
     load; without decay kr holds the features themselves (with a decay, K ⊙ Γ_C/Γ), and the scores'
     dots round them to the dots' dtype as the store did."""
-    return spec.is_linear and spec.feature_map == "favor_plus" and spec.decay == "none" and spec.update == "additive"
+    return spec.is_linear and spec.feature_map == "favor_plus" and spec.decay == "none" and not spec.rule.ut_transform
 
 
 def keys_in_passes(spec: Spec) -> bool:
@@ -981,7 +981,7 @@ def keys_in_passes(spec: Spec) -> bool:
     dot, unstaged: linear_transformer (elu+1, the sum normalizer) measured 0.661
     -> 0.830 ms forward, 3.614 -> 4.463 fwd+bwd with them in its loops. Nor FAVOR+ (its stored features
     serve the output passes too, stored_features) or vector decay (its decays a [BT, F] tile)."""
-    return (spec.is_linear and spec.mask != "bidirectional" and spec.update == "additive"
+    return (spec.is_linear and spec.mask != "bidirectional" and not spec.rule.ut_transform
             and spec.decay in ("none", "scalar", "constant") and spec.feature_map == "identity"
             and spec.qk_norm == "none" and spec.normalize == "none")
 
@@ -994,7 +994,7 @@ def states_decay_ahead(spec: Spec) -> bool:
     the pass's time in the forward and the backward's recomputation together: gla 581 -> 510 us, fwd+bwd
     6.047 -> 5.991 ms. Not the delta rules, where the pass also writes U = U0 - W h_c and it measured
     slower: gated_deltanet 704 -> 793 us (fwd+bwd 4.646 -> 4.731), kda 1453 -> 1462."""
-    return (spec.is_linear and spec.update == "additive" and spec.decay != "none"
+    return (spec.is_linear and not spec.rule.ut_transform and spec.decay != "none"
             and not keys_in_passes(spec))
 
 
@@ -1060,7 +1060,7 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     the forward's first two steps at its own chunk."""
     if not spec.is_linear or spec.mask == "bidirectional":
         return (), ()
-    delta, norm = spec.update == "delta", spec.normalize == "sum"
+    delta, norm = spec.rule.ut_transform, spec.normalize == "sum"
     ut = f"chunk-parallel: (I + A)^-1 by 16-token blocks (the diagonal ones by {ut_inverse(spec)}); W, U0, the decayed " \
          "keys too where the launch's wu_warps is 0"
     wu = "chunk-parallel, where the launch's wu_warps > 0{}: W, U0, the decayed keys from the stored (I + A)^-1, at those warps"

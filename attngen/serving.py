@@ -346,7 +346,7 @@ class DecodeStep:
             HG = H
         if spec.decay != "none":
             self.shapes["g"] = {"constant": (HG,), "scalar": (N, T, HG), "vector": (N, T, HG, K)}[spec.decay]
-        if spec.update == "delta":
+        if spec.rule.takes_beta:
             self.shapes["beta"] = (N, T, HG)
         # the checks of a call, once, on (meta) inputs of the prepared shapes
         probe = {n: torch.empty(s, dtype=dtype if n in ("q", "k", "v") else torch.float32, device="meta")

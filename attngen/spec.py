@@ -50,6 +50,30 @@ class SpecError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Rule:
+    """What attngen knows of a linear update rule outside its kernels (whose fragments are the rule's
+    hook, hooks.rule_hook) and its math (the oracle's linear_step, the PyTorch forms' token_scan and
+    ut_transform): its formula, its inputs, its cost and where it is legal. A rule of RULES, by name."""
+
+    formula: str            # the update in one line (Spec.describe)
+    takes_beta: bool        # a per-token write strength beta [B, T, HV] is an input of the op
+    state_flops: float      # the forward's FLOPs per state element and token (a product written, one read; the
+                            # delta rule's prediction S^T k too): the benchmark's TFLOP/s
+    ut_transform: bool      # the transition depends on the keys (S <- (I - beta k k^T) D(S) + ...): each chunk
+                            # lowered by the UT transform (W, U), its kernels and their launch knobs
+    bidirectional: bool     # legal with mask: bidirectional (its state a plain sum of the pieces' K^T V)
+    sum_normalizer: bool    # legal with normalize: sum (the normalizer a column of ones the rule writes)
+
+
+RULES = {
+    "additive": Rule("S = D(S) + k v^T", takes_beta=False, state_flops=4.0, ut_transform=False,
+                     bidirectional=True, sum_normalizer=True),
+    "delta": Rule("S = D(S) + beta k (v - D(S)^T k)^T", takes_beta=True, state_flops=6.0, ut_transform=True,
+                  bidirectional=False, sum_normalizer=False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class FavorPlus:
     features: int = 64
     orthogonal: bool = True
@@ -77,6 +101,11 @@ class Spec:
     @property
     def is_linear(self) -> bool:
         return self.attention == "linear"
+
+    @property
+    def rule(self) -> Rule:
+        """The update rule's facts (RULES; a softmax spec's update is additive)."""
+        return RULES[self.update]
 
     def feature_dim(self, head_dim: int) -> int:
         """F, the state's row count: K, or the FAVOR+ feature count."""
@@ -116,8 +145,7 @@ class Spec:
             win = f" (window {self.window})" if self.mask == "sliding_window" else ""
             return f"softmax attention, {self.mask}{win}{bias}"
         fm = f"expr {self.feature_expr!r}" if self.feature_map == "expr" else self.feature_map
-        rule = {"additive": "S = D(S) + k v^T",
-                "delta": "S = D(S) + beta k (v - D(S)^T k)^T"}[self.update]
+        rule = self.rule.formula
         parts = [f"linear attention, phi = {fm}"]
         if self.qk_norm == "l2":
             parts.append("l2-normalised q,k")
@@ -388,10 +416,11 @@ def _validate(data: Any, loc: _Located) -> Spec:
         if mask == "bidirectional" and decay != "none":
             raise loc.error("decay", f"value {decay!r} is not allowed with mask: bidirectional "
                                      "(a bidirectional linear state has no time order); allowed: none")
-        if mask == "bidirectional" and update == "delta":
-            raise loc.error("update", "value 'delta' is not allowed with mask: bidirectional; allowed: additive")
-        if normalize == "sum" and update == "delta":
-            raise loc.error("normalize", "value 'sum' is not allowed with update: delta; allowed: none")
+        if mask == "bidirectional" and not RULES[update].bidirectional:
+            allowed = ", ".join(n for n, r in RULES.items() if r.bidirectional)
+            raise loc.error("update", f"value {update!r} is not allowed with mask: bidirectional; allowed: {allowed}")
+        if normalize == "sum" and not RULES[update].sum_normalizer:
+            raise loc.error("normalize", f"value 'sum' is not allowed with update: {update}; allowed: none")
         if decay == "vector" and feature_map == "favor_plus":
             raise loc.error("decay", "value 'vector' is not allowed with feature_map: favor_plus (the decay is "
                                      "per key channel, the state is per random feature); allowed: none, "

@@ -56,7 +56,7 @@ def random_inputs(spec: Spec, shape: Shape, dtype=torch.float64, seed: int = 0, 
     if g_shape is not None:
         # log(sigmoid(x)) spans mild to strong decays; decay_strength scales it.
         args["g"] = torch.nn.functional.logsigmoid(rnd(*g_shape) + 2.0) * decay_strength
-    if spec.is_linear and spec.update == "delta":
+    if spec.is_linear and spec.rule.takes_beta:
         args["beta"] = torch.sigmoid(rnd(B, T, HV))
     if shape.cu_seqlens is not None:
         args["cu_seqlens"] = torch.tensor(shape.cu_seqlens, dtype=torch.int64)
@@ -145,7 +145,7 @@ def bench_inputs(spec: Spec, shape: Shape, dtype: torch.dtype, device, seed: int
         t["g"] = F.logsigmoid(rnd(B, T, H, K) + 3)
     elif spec.decay == "constant":
         t["g"] = -torch.linspace(0.01, 0.2, H, device=device)
-    if spec.is_linear and spec.update == "delta":
+    if spec.is_linear and spec.rule.takes_beta:
         t["beta"] = torch.sigmoid(rnd(B, T, H)).to(dtype)
     for x in t.values():
         x.requires_grad_(requires_grad)

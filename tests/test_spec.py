@@ -605,3 +605,17 @@ def test_field_rules_come_from_the_schema(monkeypatch):
         load_spec({"name": "x", "attention": "linear", "decay": "none", "mask": "bidirectional", "scale": 0.5})
     with pytest.raises(SpecError, match="mask.*only for attention: linear"):
         load_spec({"name": "x", "attention": "softmax", "decay": "none", "mask": "causal"})
+
+
+def test_every_update_rule_of_the_schema_has_its_facts():
+    """spec.RULES holds what the rest of attngen reads of a rule (its input beta, its FLOPs, whether the UT
+    transform lowers it, where it is legal): one entry per rule the schema allows, and the legality errors
+    name the rules that are allowed."""
+    from attngen.spec import RULES
+    assert set(RULES) == set(schema()["fields"]["update"]["allowed"])
+    assert [n for n, r in RULES.items() if r.bidirectional] == ["additive"]
+    with pytest.raises(SpecError, match="not allowed with mask: bidirectional; allowed: additive"):
+        parse_spec(y(*LIN, "update: delta", "mask: bidirectional"), "bad.yaml")
+    for name, rule in RULES.items():
+        spec = load_spec({"name": "s", "attention": "linear", "update": name})
+        assert spec.rule is rule and rule.formula in spec.describe()
