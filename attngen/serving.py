@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from .inputs import Call, check_linear, check_softmax, validate_values
+from .inputs import _FLOATS, Call, check_linear, check_softmax, validate_values
 from .signature import softmax_cached
 from .spec import LOG_DECAY_FLOOR, Spec
 
@@ -310,12 +310,13 @@ class DecodeStep:
     """A decode (or few-token) call on a StateCache, prepared for fixed shapes: step(q, k, v,
     g=None, beta=None, *, slots) with q [N, T, H, K], k [N, T, H (softmax: H_kv), K], v [N, T, H
     (softmax: H_kv; linear: HV), V] contiguous (g, beta as for the op) -> o [N, T, H (linear: HV),
-    V]. The checks, the plan and the launch configuration are done once here; on the kernels a call compares the inputs' shapes, dtypes
-    and contiguity with the prepared ones (host metadata, about a microsecond: a mismatch would
-    read the wrong elements) and launches the kernels, with no host sync: capturable in a CUDA
-    graph. A linear op's step launches the token loop alone and returns `out`, the same tensor
-    every call (no allocation); a softmax op's appends the keys and attends (flash-decoding) and
-    returns its output, also the same tensor every call (it and the split partials allocated here).
+    V]. The checks, the plan and the launch configuration are done once here; on the kernels a call
+    compares the inputs' shapes, dtypes, devices and contiguity with the prepared ones and slots'
+    integer dtype (host metadata, a few microseconds: a mismatch would read the wrong elements) and
+    launches the kernels, with no host sync: capturable in a CUDA graph. A linear op's step launches
+    the token loop alone and returns `out`, the same tensor every call (no allocation); a softmax
+    op's appends the keys and attends (flash-decoding) and returns its output, also the same tensor
+    every call (it and the split partials allocated here).
     ATTNGEN_VALIDATE=1 when the step is prepared makes each call check everything, the slot
     values too (a host sync)."""
 
@@ -336,7 +337,7 @@ class DecodeStep:
             raise ValueError(f"heads: the query / key heads H = {H} must divide the cache's value heads HV = {HC} "
                              "(grouped value heads: HV // H value heads share a query / key head)")
         held = cache.state if spec.is_linear else cache.k
-        device = held.device
+        device = self.device = held.device
         if spec.is_linear:
             # g, beta and the state are per value head
             self.shapes = {"q": (N, T, H, K), "k": (N, T, H, K), "v": (N, T, HC, V)}
@@ -380,15 +381,27 @@ class DecodeStep:
             raise ValueError("beta: softmax attention takes none (it is for attention: linear)")
         return check_softmax(self.op.spec, **inputs, scale=scale)
 
+    def _prepared(self, q, k, v, g, beta, slots) -> bool:
+        """Whether a call's inputs are those the step was prepared for, from host metadata alone:
+        shapes, dtypes, devices and contiguity, slots an integer tensor, and no input that needs a
+        gradient while autograd records."""
+        dtype, device = self.dtype, self.device
+        try:
+            return (q.shape == self._sq and k.shape == self._sk and v.shape == self._sv and slots.shape == self._sn
+                    and q.dtype == dtype and k.dtype == dtype and v.dtype == dtype and slots.dtype in _SLOT_DTYPES
+                    and q.device == device and k.device == device and v.device == device and slots.device == device
+                    and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                    and (g is None if self._sg is None else g is not None and g.shape == self._sg
+                         and g.dtype in _FLOATS and g.device == device and g.is_contiguous())
+                    and (beta is None if self._sb is None else beta is not None and beta.shape == self._sb
+                         and beta.dtype in _FLOATS and beta.device == device and beta.is_contiguous())
+                    and not (torch.is_grad_enabled() and any(
+                        t is not None and t.requires_grad for t in (q, k, v, g, beta))))
+        except AttributeError:  # an input that is not a tensor
+            return False
+
     def __call__(self, q, k, v, g=None, beta=None, *, slots):
-        dtype = self.dtype
-        if self.validate or not (
-                q.shape == self._sq and k.shape == self._sk and v.shape == self._sv and slots.shape == self._sn
-                and q.dtype == dtype and k.dtype == dtype and v.dtype == dtype
-                and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                and (g is None if self._sg is None else g is not None and g.shape == self._sg and g.is_contiguous())
-                and (beta is None if self._sb is None else
-                     beta is not None and beta.shape == self._sb and beta.is_contiguous())):
+        if self.validate or not self._prepared(q, k, v, g, beta, slots):
             # the full checks name what differs
             self.check(q, k, v, g, beta, slots)
         cache = self.cache

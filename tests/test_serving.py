@@ -179,7 +179,8 @@ class TorchCalls(torch.overrides.TorchFunctionMode):
 
 
 # What a prepared decode step may ask of torch per call: tensor metadata held on the host.
-HOST_METADATA = {"torch.Tensor.shape.__get__", "torch.Tensor.dtype.__get__", "torch.Tensor.is_contiguous"}
+HOST_METADATA = {"torch.Tensor.shape.__get__", "torch.Tensor.dtype.__get__", "torch.Tensor.device.__get__",
+                 "torch.Tensor.is_contiguous"}
 
 
 @pytest.mark.parametrize("name", ["gated_deltanet", "performer"])
@@ -229,6 +230,42 @@ def test_decode_step_checks_what_it_reads(triton_backend):
             step(**dict(one, beta=None), slots=slots)
         with pytest.raises(ValueError, match=r"^slots: expected one slot per sequence"):
             step(**one, slots=slots[:1])
+
+
+STEP_MISUSE = {
+    "float slots": (dict(slots=torch.tensor([0.0, 1.0])),
+                    r"^slots: expected a 1-D int32 or int64 tensor .* got \[2\] torch.float32"),
+    "int16 slots": (dict(slots=torch.tensor([0, 1], dtype=torch.int16)), r"^slots: expected a 1-D int32 or int64"),
+    "slots a list": (dict(slots=[0, 1]), r"^slots: expected a 1-D int32 or int64 tensor .* got list"),
+    "q a list": (dict(q=lambda x: x.tolist()), r"^q: expected a tensor of shape"),
+    "k on another device": (dict(k=lambda x: x.to("meta")), r"^k: expected device cpu \(that of q\), got meta"),
+    "slots on another device": (dict(slots=torch.tensor([0, 1], dtype=torch.int32, device="meta")),
+                                r"^slots: expected device cpu \(that of q\), got meta"),
+    "integer g": (dict(g=lambda x: x.int()), r"^g: expected a floating dtype"),
+    "g on another device": (dict(g=lambda x: x.to("meta")), r"^g: expected device cpu \(that of q\), got meta"),
+    "q requires grad": (dict(q=lambda x: x.requires_grad_()), r"^q: requires grad, but a call on a StateCache"),
+}
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "forgetting_attention"])
+@pytest.mark.parametrize("case", STEP_MISUSE, ids=list(STEP_MISUSE))
+def test_decode_step_names_misuse_of_its_prepared_inputs(name, case, triton_backend):
+    """What the kernels of a prepared step would read wrongly (slots that are no integer tensor,
+    inputs on another device, an integer g) or record nothing for (an input that needs a gradient)
+    is an error naming the argument before anything launches, as for a call of the op."""
+    op = shipped(name)
+    cache = (attngen.StateCache(op, slots=4, heads=H, head_dim=K, value_dim=V) if op.spec.is_linear else
+             attngen.StateCache(op, slots=4, heads=H, head_dim=K, value_dim=V, max_len=8))
+    step = op.prepare_decode(cache, batch=2)
+    args = dict(stack([request_inputs(op.spec, 1, seed) for seed in (0, 1)]),
+                slots=torch.tensor([0, 1], dtype=torch.int32))
+    change, match = STEP_MISUSE[case]
+    for arg, new in change.items():
+        args[arg] = new(args[arg].clone()) if callable(new) else new
+    with pytest.raises(ValueError, match=match):
+        step(**args)
+    held = cache.state if op.spec.is_linear else cache.lengths
+    assert held.abs().max() == 0
 
 
 def test_decode_step_validates_slots_in_debug_mode(triton_backend, monkeypatch):
