@@ -67,12 +67,19 @@ def _head_first(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> str:
             "head-first ones)")
 
 
+def no_cuda() -> str | None:
+    """Why torch cannot run CUDA here, or None where it can."""
+    if torch.cuda.is_available():
+        return None
+    return "this torch has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None \
+        else "torch sees no CUDA device (torch.cuda.is_available() is False)"
+
+
 def _device(name: str, t: torch.Tensor) -> None:
     """A CUDA tensor where torch cannot run CUDA would fail deep in torch (an AssertionError
     from its lazy CUDA init) or in a kernel launch; the other inputs must be on q's device."""
-    if t.device.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch has no CUDA support (torch.version.cuda is None)" if torch.version.cuda is None \
-            else "torch sees no CUDA device (torch.cuda.is_available() is False)"
+    why = no_cuda() if t.device.type == "cuda" else None
+    if why:
         raise ValueError(f"{name}: a CUDA tensor ({t.device}), but {why}; allowed: CPU tensors here")
 
 

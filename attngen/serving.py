@@ -16,13 +16,33 @@ import numbers
 
 import torch
 
-from .inputs import _FLOATS, Call, check_linear, check_softmax, validate_values
+from .inputs import _FLOATS, Call, check_linear, check_softmax, no_cuda, validate_values
 from .signature import softmax_cached
 from .spec import LOG_DECAY_FLOOR, Spec
 
 # The slot of a padding entry: its sequence runs from a zero state and nothing is stored.
 PAD_SLOT = -1
 _SLOT_DTYPES = (torch.int32, torch.int64)
+
+
+def _device(device) -> torch.device | None:
+    """StateCache's device, checked before anything is allocated on it: torch would fail deep in its
+    lazy CUDA init (an AssertionError) where it cannot run CUDA."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        why = f" ({e})" if isinstance(e, RuntimeError) else ""
+        raise ValueError(f"device: expected a torch.device or a device string ('cpu', 'cuda', 'cuda:1'), got "
+                         f"{device!r}{why}") from None
+    if device.type == "cuda":
+        why = no_cuda()
+        if why is None and device.index is not None and device.index >= torch.cuda.device_count():
+            why = f"torch sees {torch.cuda.device_count()} CUDA device(s)"
+        if why:
+            raise ValueError(f"device: {device}, but {why}; allowed: a device torch can run here")
+    return device
 
 
 def _positive(name: str, value) -> int:
@@ -72,6 +92,7 @@ class StateCache:
         self.heads = _positive("heads", heads)
         self.head_dim = _positive("head_dim", head_dim)
         self.value_dim = _positive("value_dim", value_dim)
+        device = _device(device)
         if spec.is_linear:
             if max_len is not None or max_piece is not None:
                 raise ValueError("max_len, max_piece: a linear op's state does not grow with the tokens; pass neither")

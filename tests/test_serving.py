@@ -305,6 +305,8 @@ BAD_CACHES = {
     "no slots": (lambda: small_cache(shipped("mamba2"), slots=0), r"^slots: expected a positive integer, got 0"),
     "bf16 state": (lambda: small_cache(shipped("mamba2"), dtype=torch.bfloat16), r"^dtype: expected torch.float32"),
     "not an op": (lambda: attngen.StateCache("mamba2", 4, H, K, V), r"^op: expected an attngen op"),
+    "not a device": (lambda: small_cache(shipped("mamba2"), device="gpu"),
+                     r"^device: expected a torch.device or a device string .* got 'gpu'"),
 }
 
 
@@ -313,6 +315,19 @@ def test_bad_cache_construction(case):
     make, match = BAD_CACHES[case]
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("device, available, why", [
+    ("cuda", False, r"this torch has no CUDA support"), ("cuda:3", True, r"torch sees 1 CUDA device\(s\)")])
+def test_cache_on_a_device_torch_cannot_run(monkeypatch, device, available, why):
+    """A CUDA device where torch cannot run it (no CUDA, or no such GPU) is an error naming the
+    device before anything is allocated (torch would fail in its lazy CUDA init)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.version, "cuda", "12.8" if available else None)
+    for op in (shipped("mamba2"), shipped("softmax_causal")):
+        with pytest.raises(ValueError, match=rf"^device: {device}, but {why}"):
+            small_cache(op, device=device, **({} if op.spec.is_linear else {"max_len": 8}))
 
 
 def _bad_calls():
