@@ -116,8 +116,11 @@ def cmd_check(args) -> int:
     from .runtime import backend, check_call, load, route, runs_as
     from .testing import Shape, compare, random_inputs
     shape = Shape(*args.shape)
-    shapes = [shape, Shape(1, shape.q_len * 2 + 1, shape.heads, shape.head_dim, shape.value_dim,
-                           cu_seqlens=(0, 5, shape.q_len + 3, shape.q_len * 2 + 1))]
+    # three packed sequences of 2T + 1 tokens in all: 5, T - 2 and T - 2 tokens (1, T and T where T < 3)
+    T = shape.q_len
+    cuts = (5, T + 3) if T > 2 else (1, T + 1)
+    shapes = [shape, Shape(1, T * 2 + 1, shape.heads, shape.head_dim, shape.value_dim,
+                           cu_seqlens=(0, *cuts, T * 2 + 1))]
     # The kernels are tested where they run: on CUDA when torch sees a GPU (the interpreter
     # for the oracle stays on the CPU), else on the CPU (Triton's interpreter).
     device = "cpu" if backend() == "torch" else _machine_device()

@@ -100,6 +100,17 @@ def test_check_reports_every_spec_past_a_bad_one(tmp_path):
     assert "1 FAILED" in out.stdout
 
 
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_check_packs_legal_sequences_at_any_length(length, monkeypatch, capsys):
+    """The packed row's sequences (three, 2T + 1 tokens) are legal offsets at every --shape T, the
+    shortest included: a row fails only where the spec's forms do."""
+    monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+    assert main(["check", "specs/retnet.yaml", "--shape", f"1,{length},1,4,4", "--no-grad"]) == 0
+    rows = rows_of(capsys.readouterr().out)
+    assert len(rows) == 10 and all(r[-1] == "pass" for r in rows)
+    assert sum("varlen" in r for r in rows) == 5
+
+
 def test_explain_names_the_backend_of_this_machine(tmp_path):
     out = run_cli(["explain", "specs/gla.yaml", "--shape", "1,100,2,8,8"], "auto", tmp_path)
     assert out.returncode == 0, out.stderr
