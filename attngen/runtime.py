@@ -454,12 +454,17 @@ def route(spec: Spec, device_type: str, dtype: torch.dtype, head_dim: int | None
     PyTorch forms. On every backend, float64 inputs of linear specs run the PyTorch forms
     (FLOAT64_REASON); the softmax kernels accumulate float64 inputs in float64 and run them. On
     CUDA, bf16 inputs of causal FAVOR+ specs at head dims of at most 32 run the PyTorch forms
-    (FAVOR_BF16_REASON)."""
+    (FAVOR_BF16_REASON). Tensors on other devices (meta: shapes without data) run the PyTorch forms
+    on every backend."""
     mode = backend()
     if mode == "torch":
         return "torch", "ATTNGEN_BACKEND=torch"
     if mode == "auto" and device_type != "cuda":
         return "torch", f"ATTNGEN_BACKEND=auto: the kernels run on CUDA tensors, these are {device_type}"
+    if device_type not in ("cuda", "cpu"):
+        # meta tensors (shapes without data) and devices Triton does not run on
+        return "torch", f"ATTNGEN_BACKEND={mode}: the kernels run on CUDA tensors (CPU ones through Triton's " \
+                        f"interpreter), these are {device_type}"
     if mode == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("ATTNGEN_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
                          "(Triton's interpreter); or use ATTNGEN_BACKEND=torch")

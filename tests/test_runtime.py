@@ -378,6 +378,21 @@ def test_route_float64_inputs(monkeypatch):
         route(linear, "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("name", ["gated_deltanet", "performer", "linear_bidirectional", "forgetting_attention"])
+def test_meta_tensors_on_the_kernels_backend(triton_backend, name):
+    """Meta tensors (shapes without data: a model built on the meta device) run the PyTorch forms
+    on ATTNGEN_BACKEND=triton too, as on auto: outputs of the right shapes on the meta device, where
+    the kernels would have read their (absent) data."""
+    op, inputs = op_and_inputs(name, Shape(batch=1, q_len=16, heads=2, head_dim=16, value_dim=16),
+                               dtype=torch.float32)
+    want = op(**inputs)
+    got = op(**{n: t.to("meta") for n, t in inputs.items()})
+    for w, o in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+        assert (o is None) == (w is None)
+        if o is not None:
+            assert o.device.type == "meta" and o.shape == w.shape and o.dtype == w.dtype
+
+
 # --------------------------------------------------------------------------- dtypes
 
 LOWP_SPECS = ["gated_deltanet", "gla", "linear_transformer", "performer", "retnet", "softmax_causal",
