@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .spec import Spec
+from .spec import SCALE_MAX, Spec
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _OFFSETS = (torch.int32, torch.int64)
@@ -99,9 +99,14 @@ def _same(name: str, t: torch.Tensor, ref: torch.Tensor, dtype: bool = True) -> 
 def _scale(spec: Spec, scale, head_dim: int) -> float:
     if scale is None:
         return spec.default_scale(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not 0 < float(scale) < float("inf"):
-        raise ValueError(f"scale: expected a positive finite number or None, got {scale!r}")
-    return float(scale)
+    try:
+        value = float(scale) if isinstance(scale, numbers.Real) and not isinstance(scale, bool) else None
+    except OverflowError:  # an int past float's range
+        value = float("inf")
+    if value is None or not 0 < value <= SCALE_MAX:
+        raise ValueError(f"scale: expected a positive finite number (at most {SCALE_MAX:.4g}, float32's largest) "
+                         f"or None, got {scale!r}")
+    return value
 
 
 def _sequences(cu_seqlens, q: torch.Tensor, batch: int, total: int) -> tuple[int, int]:

@@ -34,6 +34,9 @@ LOG_DECAY_FLOOR32 = -200.0
 # Chunk sizes of the chunked kernels (their UT transform works in 16-token blocks): the planner
 # chooses among them, the generated launchers check them (kernel_lib.chunked_check_chunk).
 KERNEL_CHUNKS = (16, 32, 64)
+# The largest scale: float32's largest finite value (the kernels, and the PyTorch forms of 16-bit and
+# float32 inputs, scale in float32, where a larger one is inf and the outputs NaN).
+SCALE_MAX = 3.4028234663852886e38
 
 SCHEMA_PATH = Path(__file__).with_name("schema.yaml")
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*\Z")
@@ -399,10 +402,11 @@ def _validate(data: Any, loc: _Located) -> Spec:
     raw_scale = data.get("scale", "auto")
     if raw_scale == "auto":
         scale = None
-    elif _is_number(raw_scale) and raw_scale > 0 and _is_finite(raw_scale):
+    elif _is_number(raw_scale) and raw_scale > 0 and _is_finite(raw_scale) and float(raw_scale) <= SCALE_MAX:
         scale = float(raw_scale)
     else:
-        raise loc.error("scale", f"value {raw_scale!r} is not allowed; allowed: auto, or a positive finite number")
+        raise loc.error("scale", f"value {raw_scale!r} is not allowed; allowed: auto, or a positive finite number "
+                                 f"(at most {SCALE_MAX:.4g}, float32's largest)")
 
     # Rules that tie fields together: the schema's only_with, then the combinations below.
     resolved = dict(name=name, attention=attention, feature_map=feature_map, favor_plus=favor, qk_norm=qk_norm,

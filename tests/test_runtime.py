@@ -216,7 +216,8 @@ def test_softmax_g_presence(name):
 
 
 @pytest.mark.parametrize("name", ["gated_deltanet", "softmax_causal"])
-@pytest.mark.parametrize("scale", [0, -1, 0.0, -0.5, float("inf"), float("nan"), "a", True, "auto"])
+@pytest.mark.parametrize("scale", [0, -1, 0.0, -0.5, float("inf"), float("nan"), "a", True, "auto", 1e39,
+                                   pytest.param(10 ** 400, id="int_past_float")])
 def test_bad_scale(name, scale):
     op, inputs = op_and_inputs(name)
     with raises_naming("scale"):

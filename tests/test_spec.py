@@ -14,7 +14,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attngen.spec import Spec, SpecError, load_spec, parse_spec, schema
+from attngen.spec import SCALE_MAX, Spec, SpecError, load_spec, parse_spec, schema
 
 SPECS_DIR = Path(__file__).resolve().parents[1] / "specs"
 SHIPPED = sorted(SPECS_DIR.glob("*.yaml"))
@@ -177,6 +177,7 @@ BAD = [
     ("scale_inf", y(*LIN, "scale: .inf"), "scale", "inf", 3),
     ("scale_nan", y(*SOFT, "scale: .nan"), "scale", "nan", 3),
     ("scale_huge_int", y(*LIN, "scale: 1" + "0" * 400), "scale", "1" + "0" * 400, 3),
+    ("scale_past_float32", y(*SOFT, "scale: 1.0e+39"), "scale", "1e+39", 3),
     ("scale_list", y(*SOFT, "scale: [1]"), "scale", "[1]", 3),
     # feature_map expressions
     ("expr_other_symbol", y(*EXPR, "  expr: y"), "feature_map.expr", "'y'", 4),
@@ -448,7 +449,7 @@ def legal_spec_dicts(draw):
             if draw(st.integers(0, 9)) == 0:
                 d[key] = default
     put("scale", draw(st.one_of(st.just("auto"), st.integers(1, 10**6),
-                                st.floats(min_value=1e-300, max_value=1e300))), "auto")
+                                st.floats(min_value=1e-300, max_value=SCALE_MAX))), "auto")
     return d
 
 
