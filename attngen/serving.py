@@ -416,8 +416,9 @@ class DecodeStep:
                          and g.dtype in _FLOATS and g.device == device and g.is_contiguous())
                     and (beta is None if self._sb is None else beta is not None and beta.shape == self._sb
                          and beta.dtype in _FLOATS and beta.device == device and beta.is_contiguous())
-                    and not (torch.is_grad_enabled() and any(
-                        t is not None and t.requires_grad for t in (q, k, v, g, beta))))
+                    and not (torch.is_grad_enabled() and (
+                        q.requires_grad or k.requires_grad or v.requires_grad
+                        or (g is not None and g.requires_grad) or (beta is not None and beta.requires_grad))))
         except AttributeError:  # an input that is not a tensor
             return False
 
