@@ -22,9 +22,9 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
     try:
         B, T, H, K, V = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shape: expected B,T,H,K,V (five integers), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected B,T,H,K,V (five integers), got {text!r}") from None
     if min(B, T, H, K, V) < 1:
-        raise argparse.ArgumentTypeError(f"--shape: every size must be >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
     return B, T, H, K, V
 
 

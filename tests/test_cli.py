@@ -100,6 +100,15 @@ def test_check_reports_every_spec_past_a_bad_one(tmp_path):
     assert "1 FAILED" in out.stdout
 
 
+@pytest.mark.parametrize("shape, what", [("1,2", "expected B,T,H,K,V (five integers), got '1,2'"),
+                                         ("1,0,2,8,8", "every size must be >= 1, got '1,0,2,8,8'")])
+def test_a_bad_shape_is_named_once(shape, what, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "specs/gla.yaml", "--shape", shape])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: argument --shape: {what}")
+
+
 @pytest.mark.parametrize("length", [1, 2, 3])
 def test_check_packs_legal_sequences_at_any_length(length, monkeypatch, capsys):
     """The packed row's sequences (three, 2T + 1 tokens) are legal offsets at every --shape T, the
