@@ -305,10 +305,11 @@ BIDIRECTIONAL_MIN_TILES = 4
 BIDIRECTIONAL_SPAN_TILES = 4
 
 
-def bidirectional_blocks(N, H, K, F, V, T, favor=None):
+def bidirectional_blocks(N, H, K, F, V, T, favor=None, rows=False):
     """(BK, BF, BV, BT, warps, stages, splits, SPAN) of the bidirectional kernels for N sequences (T tokens in
     all) of H value heads, K key lanes, F features and V value lanes; favor: the FAVOR_PRECISION of a map whose
-    features are a dot's result (FAVOR+: bidirectional_favor_precision), None for other maps."""
+    features are a dot's result (FAVOR+: bidirectional_favor_precision), None for other maps; rows: the
+    backward's span steps (the rows gradients and dv)."""
     # tl.dot takes no dim below 16: narrower lanes are padded (and masked)
     BK, BF = max(16, pow2_ceil(K)), max(16, pow2_ceil(F))
     # a state block [BF, BV] of at most 16K float32 (64 KiB of registers across eight warps), at most 128 lanes
@@ -322,6 +323,11 @@ def bidirectional_blocks(N, H, K, F, V, T, favor=None):
         # float64 take most of the shared memory (311,296 B at K = 256 with 256 value lanes in two stages,
         # past sm_90's 232,448): one stage, 64 value lanes
         BV, stages = min(BV, 64), 1
+    if rows:
+        # the rows step stages the [BF, BV] float32 state block per token tile: in one stage it takes half the
+        # shared memory (linear_bidirectional: two programs per SM) and ran faster on an H100 (bf16 B4 T8192
+        # H16 D128: 357 -> 236 us, performer_bidirectional 2129 -> 1794; BENCHMARKS.md, 2026-12-05 eighth run)
+        stages = 1
     warps = 4 if BF * BV <= 4096 else 8
     programs = N * H * ceil_div(V, BV)
     splits = max(1, min(ceil_div(SEGMENT_PROGRAMS, programs), ceil_div(T, N * BT * BIDIRECTIONAL_MIN_TILES)))

@@ -593,7 +593,7 @@ def bidirectional_launch(q, v, omega, cu_seqlens, grad=None):
     VS = V
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     favor = None
-    BK, BF, BV, BT, warps, stages, splits, SPAN = bidirectional_blocks(N, H, K, F, V, T, favor)
+    BK, BF, BV, BT, warps, stages, splits, SPAN = bidirectional_blocks(N, H, K, F, V, T, favor, rows=grad == "rows")
     if favor == "f64" and grad == "rows":
         favor = "ieee"
     meta = dict(BT=BT, BK=BK, BF=BF, BV=BV, IS_VARLEN=cu_seqlens is not None, FAVOR_PRECISION=favor,
