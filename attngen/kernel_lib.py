@@ -151,12 +151,28 @@ def favor_exponent_row(w, x):
 # time (performer bf16 B4 T8192 H16 K = V = 128 on the H200, fwd+bwd 49.7 -> 13.7 ms, BENCHMARKS.md
 # 2026-12-03); past 128 lanes their tf32 operands asked for 262,144 B of shared memory. float32
 # inputs keep "ieee": tf32x3 drops the low parts' product, which exp turns into the features'
-# relative error, over float32's tolerances.
+# relative error, over float32's tolerances. The bidirectional kernels' 16-bit inputs take "bf16x3"
+# (bidirectional_favor_precision): ptxas, performer_bidirectional bf16 B4 T8192 H16 D128 on sm_90, the
+# output step 240 -> 125 registers (two programs per SM), the rows step 255 registers and 36 B spilled ->
+# 181 and none (bench/compile_time.py --bwd --h100).
 @triton.jit
 def favor_dot(a, b, BK: tl.constexpr, PRECISION: tl.constexpr):
     # a @ b, one of the operands [.., BK] or [BK, ..] of q or k lanes
     if PRECISION == "f64":
         c = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+    elif PRECISION == "bf16x3" or PRECISION == "bf16x3_emulated":
+        # each float32 operand as bf16 hi + lo parts, three products (lo x lo dropped): about 2^-16 relative,
+        # on the tensor cores with bf16 operands, which take half the registers and shared memory of tf32x3's
+        # float32 ones ("_emulated": the interpreter's, the parts rounded by chunked_round, fp32 products)
+        if PRECISION == "bf16x3":
+            a_hi, b_hi = a.to(tl.bfloat16), b.to(tl.bfloat16)
+            a_lo, b_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16), (b - b_hi.to(tl.float32)).to(tl.bfloat16)
+            c = tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo)))
+        else:
+            a_hi, b_hi = chunked_round(a, 16), chunked_round(b, 16)
+            a_lo, b_lo = chunked_round(a - a_hi, 16), chunked_round(b - b_hi, 16)
+            c = tl.dot(a_hi, b_hi, tl.dot(a_lo, b_hi, tl.dot(a_hi, b_lo, input_precision="ieee"),
+                                          input_precision="ieee"), input_precision="ieee")
     elif (PRECISION == "bf16" or PRECISION == "tf32") and BK <= 128:
         c = tl.dot(a, b, input_precision="tf32x3")
     else:
@@ -336,11 +352,16 @@ def bidirectional_blocks(N, H, K, F, V, T, favor=None, rows=False):
 
 def bidirectional_favor_precision(dtype, K):
     """FAVOR_PRECISION, the bidirectional kernels' FAVOR+ projections (favor_dot): float64 for float32
-    inputs; tf32x3 on the tensor cores for 16-bit ones past 32 key lanes; fp32 products ("ieee") up to 32,
-    where the causal kernels' tf32x3 projections gave wrong bf16 outputs (runtime.FAVOR_BF16_REASON)."""
+    inputs; for 16-bit ones, fp32 products ("ieee") up to 32 key lanes, where the causal kernels' tf32x3
+    projections gave wrong bf16 outputs (runtime.FAVOR_BF16_REASON), bf16 hi / lo parts on the tensor cores
+    up to 128 (bf16x3), the kernel's precision past that (favor_dot: fp32 products)."""
     if dtype == torch.float32:
         return "f64"
-    return chunked_dot_precision(dtype) if K > 32 else "ieee"
+    if K <= 32:
+        return "ieee"
+    if K <= 128:
+        return "bf16x3_emulated" if interpreted() else "bf16x3"
+    return chunked_dot_precision(dtype)
 
 
 @triton.jit

@@ -8,6 +8,8 @@ from itertools import pairwise
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import attngen
 from attngen import codegen, kernel_lib, planner
@@ -93,7 +95,34 @@ def test_bidirectional_launch():
     assert blocks(4, 16, 128, 128, 128, 4 * 256)[6] == 1
     assert blocks(1, 2, 8, 8, 6, 37)[:6] == (16, 16, 16, 64, 4, 2)
     assert [kernel_lib.bidirectional_favor_precision(d, K) for d, K in
-            ((torch.float32, 128), (torch.bfloat16, 32), (torch.float16, 64))] == ["f64", "ieee", kernel_lib.chunked_dot_precision(torch.float16)]
+            ((torch.float32, 128), (torch.bfloat16, 32), (torch.float16, 64), (torch.bfloat16, 128), (torch.float16, 256))
+            ] == ["f64", "ieee", "bf16x3_emulated", "bf16x3_emulated", kernel_lib.chunked_dot_precision(torch.float16)]
+
+
+@triton.jit
+def _favor_dot_kernel(a, b, c, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, PRECISION: tl.constexpr):
+    o_m, o_k, o_n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    b_a = tl.load(a + o_m[:, None] * K + o_k[None, :])
+    b_b = tl.load(b + o_k[:, None] * N + o_n[None, :])
+    tl.store(c + o_m[:, None] * N + o_n[None, :], kernel_lib.favor_dot(b_a, b_b, K, PRECISION))
+
+
+def test_favor_dot_bf16x3_accuracy():
+    """favor_dot's bf16x3 (as the interpreter rounds it) keeps FAVOR+'s projections to about 2^-16 of their
+    scale, where one bf16 product (bf16_emulated, through chunked_dot's rounding) is off by about 2^-9: the
+    features exp(p) carry that error, relative."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=gen), torch.randn(64, 32, generator=gen)
+    exact = a.double() @ b.double()
+
+    def error(precision):
+        c = torch.empty(32, 32)
+        _favor_dot_kernel[(1,)](a, b, c, 32, 64, 32, PRECISION=precision)
+        return ((c.double() - exact).abs().max() / exact.abs().max()).item()
+
+    assert error("bf16x3_emulated") < 2 ** -14
+    single = ((a.bfloat16().double() @ b.bfloat16().double() - exact).abs().max() / exact.abs().max()).item()
+    assert single > 2 ** -12, "the test's inputs no longer tell one bf16 product from three"
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "performer"])
@@ -168,6 +197,16 @@ def test_gradients(kernel_bwd, name, dname, initial_state):
     l2 norm, the sum normalizer, with and without an initial state; every gradient written."""
     check_grads(kernel_bwd, name, Shape(batch=2, q_len=37, heads=2, head_dim=8, value_dim=12), DTYPES[dname],
                 initial_state)
+
+
+@pytest.mark.usefixtures("poison_fresh_buffers")
+def test_favor_bf16_projections(kernel_bwd):
+    """16-bit inputs from 33 to 128 key lanes: FAVOR+'s projections as bf16 hi / lo parts (kernel_lib.favor_dot,
+    bf16x3; the interpreter's rounding of them), forward and every gradient."""
+    shape = Shape(batch=1, q_len=65, heads=1, head_dim=72, value_dim=40)
+    assert kernel_lib.bidirectional_favor_precision(torch.bfloat16, 72) == "bf16x3_emulated"
+    check("performer", shape, torch.bfloat16, seed=72)
+    check_grads(kernel_bwd, "performer", shape, torch.bfloat16, seed=72)
 
 
 @pytest.mark.parametrize("K, V, T", [(20, 5, 1), (8, 130, 21), (72, 40, 65)])
