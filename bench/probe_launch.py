@@ -15,8 +15,6 @@ spec at the timed shape (how a shipped table's launches are held to the oracle).
 The bidirectional specs' launch is kernel_lib.bidirectional_blocks', not a planner launch: their variants
 name a step, "step:knob=value" (step fwd, state or rows: bidirectional_launch's grad; knob BT, BV,
 num_warps or num_stages of its meta; BT also sets the span), e.g. "rows:num_stages=1,state:num_stages=3".
-`--favor-split` takes FAVOR+'s projections of 16-bit inputs as three bf16 dots of hi and lo parts
-instead of tf32x3 (kernel_lib.favor_dot replaced in this process).
 """
 from __future__ import annotations
 
@@ -27,8 +25,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
@@ -95,27 +91,6 @@ def short_kernel(name: str) -> str:
     return name.replace("chunked_", "").replace("bidirectional_", "").replace("_kernel", "").split("<")[0]
 
 
-def use_favor_split() -> None:
-    """FAVOR+'s projections of 16-bit inputs as three bf16 dots of hi / lo parts (about 2^-16 relative)
-    instead of tf32x3: kernel_lib.favor_dot replaced before any kernel compiles."""
-    @triton.jit
-    def favor_dot_split(a, b, BK: tl.constexpr, PRECISION: tl.constexpr):
-        if PRECISION == "f64":
-            c = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
-        elif (PRECISION == "bf16" or PRECISION == "tf32") and BK <= 128:
-            a_hi = a.to(tl.bfloat16)
-            a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-            b_hi = b.to(tl.bfloat16)
-            b_lo = (b - b_hi.to(tl.float32)).to(tl.bfloat16)
-            c = tl.dot(a_hi, b_lo)
-            c = tl.dot(a_lo, b_hi, c)
-            c = tl.dot(a_hi, b_hi, c)
-        else:
-            c = tl.dot(a, b, input_precision="ieee")
-        return c
-    kernel_lib.favor_dot = favor_dot_split
-
-
 def output(result):
     """The output of an op's result: linear ops return (o, final_state), softmax ones o."""
     return result[0] if isinstance(result, tuple) else result
@@ -154,7 +129,7 @@ def isolated(args) -> int:
         for variant in spec_variants(args, name):
             cmd = [sys.executable, __file__, "--specs", name, "--variants", variant, "--B", str(args.B), "--T", str(args.T),
                    "--H", str(args.H), "--D", str(args.D), "--dtype", args.dtype, "--kernels", str(args.kernels)] + (["--no-oracle"] if args.no_oracle else []) + (
-                ["--module", args.module] if args.module else []) + (["--favor-split"] if args.favor_split else [])
+                ["--module", args.module] if args.module else [])
             out = subprocess.run(cmd, capture_output=True, text=True).stdout.strip().splitlines()
             line = out[-1] if out and out[-1].startswith(name) else f"{name:<20s} {variant:<34s} no result: {(out or ['?'])[-1][:200]}"
             print(line, flush=True)
@@ -179,8 +154,6 @@ def main() -> int:
                    "(one spec) run in place of the rendering: how a kernel edit is timed and held to the oracle before "
                    "it goes into a template")
     p.add_argument("--from-table", default=None, metavar="FILE", help="also each spec's launch in this tuning table")
-    p.add_argument("--favor-split", action="store_true", help="FAVOR+'s projections of 16-bit inputs as three bf16 "
-                   "dots of hi and lo parts instead of tf32x3")
     p.add_argument("--isolate", action="store_true", help="each spec and variant in a process of its own (an illegal "
                    "address leaves the process's CUDA context unusable); no agreement column then")
     args = p.parse_args()
@@ -192,15 +165,12 @@ def main() -> int:
         parse_variant(v)
     if args.isolate:
         return isolated(args)
-    if args.favor_split:
-        use_favor_split()
     dtype = getattr(torch, args.dtype)
     table = []
     for name in args.specs.split(","):
         if args.module:
             # the edited module, imported before the op is made, under the name codegen.load_module
             # gives the spec's rendering
-            from attngen import codegen
             spec = attngen.spec.load_spec(SPECS / f"{name}.yaml")
             codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
         op = attngen.load(SPECS / f"{name}.yaml")
