@@ -59,12 +59,12 @@ def parse_variant(text: str, option: str = "--variants") -> dict[str, int]:
     """'knob=value,...' of ChunkedLaunch (linear specs) or SoftmaxLaunch (softmax ones) (planner.parse_knobs);
     the launch of the spec's family takes them (a knob of the other family fails that variant). The
     bidirectional specs' 'step:knob=value' items are kept as they are named."""
-    plain = [item for item in filter(None, text.split(",")) if ":" not in item]
+    items = [item for item in text.split(",") if item]
     try:
-        knobs = planner.parse_knobs(",".join(plain))
+        knobs = planner.parse_knobs(",".join(item for item in items if ":" not in item))
     except ValueError as e:
         raise SystemExit(f"{option}: {e}") from None
-    for item in filter(None, text.split(",")):
+    for item in items:
         if ":" in item:
             name, _, value = item.partition("=")
             step, _, knob = name.partition(":")
