@@ -69,6 +69,8 @@ def cmd_explain(args) -> int:
     from .runtime import backend, check_call, load, route, runs_as
     from .testing import Shape, random_inputs
     op = load(args.spec)
+    if args.ranks is not None:
+        planner.check_ranks(args.ranks, args.shape[1])  # before any output
     print(planner.explain(op.plan))
     shape = Shape(*args.shape)
     call = check_call(op, random_inputs(op.spec, shape, initial_state=False))

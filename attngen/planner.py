@@ -187,14 +187,24 @@ def plan(spec: Spec) -> Plan:
 
 
 def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None = None) -> Choice:
-    """The form and chunk size for one call: the user's if given, else by sequence length."""
+    """The form and chunk size for one call: the user's if given, else by sequence length. A chunk
+    size asks for the chunked form (an error where the call asks for another form or the spec has none)."""
     legal = [f.name for f in plan_.forms]
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
                               or chunk < 1 or chunk & (chunk - 1) or chunk > 256):
         raise ValueError(f"chunk_size: expected a power of two from 1 to 256, got {chunk!r}")
     if form is not None:
-        plan_.form(form)
+        plan_.form(form)  # an unknown or illegal form is an error naming it
+    if chunk is not None and "chunked" not in legal:
+        raise ValueError(f"chunk_size: {chunk} applies to the chunked form only, and {plan_.spec.name} has none "
+                         f"(its forms: {', '.join(legal)}); pass chunk_size=None")
+    if chunk is not None and form is not None and form != "chunked":
+        raise ValueError(f"chunk_size: {chunk} applies to the chunked form only, and form={form!r} was asked for; "
+                         f"pass form='chunked' or chunk_size=None")
+    if form is not None:
         reason = "asked for"
+    elif chunk is not None:
+        form, reason = "chunked", f"chunk_size={chunk} asked for"
     elif len(legal) == 1:
         form, reason = legal[0], "the only form"
     elif call.max_len <= RECURRENT_MAX_LEN:
@@ -856,10 +866,18 @@ PARALLEL_WORK = {
 }
 
 
+def check_ranks(ranks: int, length: int) -> None:
+    """Context parallelism gives every rank a shard of at least one token."""
+    if ranks > length:
+        raise ValueError(f"--ranks: {ranks} ranks over T={length} tokens leave ranks without a token; "
+                         f"at most {length} (one token per rank)")
+
+
 def explain_parallel(spec: Spec, ranks: int, batch: int, length: int, heads: int, head_dim: int,
                      value_dim: int, input_bytes: int = 2) -> str:
     """The context-parallel plan over `ranks` equal shards of `length` tokens, and its bytes per
     rank (states in float32, keys and values of `input_bytes` each)."""
+    check_ranks(ranks, length)
     par = parallel(spec)
     shard = -(-length // ranks)
     bufs = exchange_elements(spec, par.method, batch, shard, heads, heads, head_dim, value_dim, packed=False)

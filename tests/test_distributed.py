@@ -376,6 +376,16 @@ def test_explain_ranks_shows_the_exchange_and_bytes_per_rank(capsys):
     assert "method keys" in out and "contributes 16.00 MiB and receives 16.00 MiB" in out
 
 
+def test_explain_ranks_past_the_tokens_is_an_error(capsys):
+    """More ranks than tokens would leave ranks without a shard: a clear error before any output."""
+    from attngen.cli import main
+    assert main(["explain", "specs/gated_deltanet.yaml", "--ranks", "9", "--shape", "1,8,2,16,16"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--ranks: 9 ranks over T=8 tokens" in err and "at most 8" in err
+    assert main(["explain", "specs/gated_deltanet.yaml", "--ranks", "8", "--shape", "1,8,2,16,16"]) == 0
+    assert "shards of 1 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("spec_name", ISOLATION)
 def test_a_nan_in_one_packed_sequence_reaches_no_other(ranks4, spec_name):
     for rank, rows in enumerate(ranks4):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import attngen
+from attngen.runtime import check_call
 from attngen.testing import Shape, compare, random_inputs
 
 from specs import SHIPPED
@@ -251,6 +252,24 @@ def test_bad_chunk_size(chunk):
     op, inputs = op_and_inputs("gated_deltanet")
     with raises_naming("chunk_size"):
         op(**inputs, form="chunked", chunk_size=chunk)
+
+
+@pytest.mark.parametrize("name,form", [("gated_deltanet", "recurrent"), ("gated_deltanet", "parallel"),
+                                       ("softmax_causal", None), ("linear_bidirectional", None)])
+def test_chunk_size_of_another_form(name, form):
+    """A chunk size with a form other than chunked, or on a spec without one, is an error, not ignored."""
+    op, inputs = op_and_inputs(name)
+    with raises_naming("chunk_size", "chunked form only"):
+        op(**inputs, form=form, chunk_size=16)
+
+
+def test_chunk_size_asks_for_the_chunked_form():
+    op, inputs = op_and_inputs("gated_deltanet")
+    call = check_call(op, inputs)
+    assert op.choose(call).form != "chunked"  # a short call: the planner's pick is another form
+    choice = op.choose(call, chunk_size=16)
+    assert (choice.form, choice.chunk) == ("chunked", 16) and "chunk_size" in choice.reason
+    torch.testing.assert_close(op(**inputs, chunk_size=16), op(**inputs, form="chunked", chunk_size=16))
 
 
 def _devices():
