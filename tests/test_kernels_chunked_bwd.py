@@ -128,8 +128,9 @@ def mixed_vector_gates(shape: Shape, seed: int) -> torch.Tensor:
     return torch.where(strong, -50.0 * depth, -1e-3 * depth)
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# 16-token chunks in both dtypes; 32 in bf16, 64 in fp32
+@pytest.mark.parametrize("dtype, chunk", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 32),
+                                          (torch.float32, 64)], ids=["fp32-16", "bf16-16", "bf16-32", "fp32-64"])
 @pytest.mark.parametrize("name", ["gla", "kda"])
 def test_strong_vector_decay(kernel_backward, name, dtype, chunk):
     """Vector decays mixing near-0 and very strong gates (down to -50 per token), T not a multiple of
@@ -416,26 +417,28 @@ def test_runtime_asks_for_the_inverse_only_when_differentiated(monkeypatch, grad
         assert all(leaves[n].grad is not None for n in ("q", "k", "v"))
 
 
-@pytest.mark.parametrize("min_chunks, segments", [(1, 7), (3, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# (each split in one dtype: the segments' code is the same in both, the stores' casts are each dtype's)
+@pytest.mark.parametrize("min_chunks, segments, dtype", [(1, 7, torch.bfloat16), (3, 2, torch.float32)],
+                         ids=["1-7-bf16", "3-2-fp32"])
 @pytest.mark.parametrize("name", ["linear_transformer", "performer", "mamba2", "retnet", "gla", "gla_sum"])
 def test_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, min_chunks, segments):
     """The additive rules' state passes (the recomputed chunk-start states and the state gradient)
     by segments of a sequence's chunks (kernel_lib.chunked_state_segments): 7 chunks of 16 in 7
-    segments of one, or 2 of four and three, two sequences, an initial state; every gradient."""
+    segments of one (bf16), or 2 of four and three (fp32), two sequences, an initial state; every gradient."""
     monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", min_chunks)
     assert kernel_lib.chunked_state_segments(2, 100, 16)[0] == segments
     check(kernel_backward, SPECS[name], Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), dtype,
           seed=min_chunks)
 
 
-DELTA_SEGMENT_CASES = [(7, Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), None),
-                       (2, Shape(batch=1, q_len=100, heads=2, head_dim=40, value_dim=20), 16),
-                       (3, Shape(batch=1, q_len=100, heads=1, head_dim=72, value_dim=20), 16)]
+# (each case in one dtype: the segments' code is the same in both, the stores' casts are each dtype's)
+DELTA_SEGMENT_CASES = [(7, Shape(batch=2, q_len=100, heads=2, head_dim=8, value_dim=6), None, torch.float32),
+                       (2, Shape(batch=1, q_len=100, heads=2, head_dim=40, value_dim=20), 16, torch.bfloat16),
+                       (3, Shape(batch=1, q_len=100, heads=1, head_dim=72, value_dim=20), 16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("segments, shape, lanes", DELTA_SEGMENT_CASES, ids=["7x1", "2x4_lanes16", "3_keys72"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("segments, shape, lanes, dtype", DELTA_SEGMENT_CASES,
+                         ids=["7x1-fp32", "2x4_lanes16-bf16", "3_keys72-bf16"])
 @pytest.mark.parametrize("name", ["gated_deltanet", "deltanet", "kda"])
 def test_delta_rules_state_passes_in_segments(kernel_backward, monkeypatch, name, dtype, segments, shape, lanes):
     """The delta rules' state passes (the forward's, the backward's recomputation and the state gradient)
