@@ -30,7 +30,7 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
 
 def _ranks(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"--ranks: expected a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return int(text)
 
 

@@ -384,6 +384,11 @@ def test_explain_ranks_past_the_tokens_is_an_error(capsys):
     assert out == "" and "--ranks: 9 ranks over T=8 tokens" in err and "at most 8" in err
     assert main(["explain", "specs/gated_deltanet.yaml", "--ranks", "8", "--shape", "1,8,2,16,16"]) == 0
     assert "shards of 1 tokens" in capsys.readouterr().out
+    # argparse names the argument once
+    with pytest.raises(SystemExit):
+        main(["explain", "specs/gated_deltanet.yaml", "--ranks", "0"])
+    err = capsys.readouterr().err
+    assert "argument --ranks: expected a positive integer, got '0'" in err and err.count("--ranks:") == 1
 
 
 @pytest.mark.parametrize("spec_name", ISOLATION)
