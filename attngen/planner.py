@@ -219,7 +219,7 @@ def choose(plan_: Plan, call: Call, form: str | None = None, chunk: int | None =
         size = call.max_len  # one chunk spans the sequence
     else:
         size = 1
-    return Choice(form, size, reason, chunk if form == "chunked" else None)
+    return Choice(form, size, reason, chunk)  # a chunk size was refused above unless the form is chunked
 
 
 # The PyTorch forms run a packed call (cu_seqlens) in groups of sequences, each group padded to
