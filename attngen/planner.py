@@ -334,7 +334,7 @@ class ChunkedLaunch(Launch):
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     segments: int = knob("fwd", "segments", (0, 1, 4, 8, 16), backward=True)  # the sequential passes' segments per sequence, at most (kernel_lib.chunked_state_segments; 0: the policy, 1: none)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
-    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's steps 2 and 3 (its dU step and state-gradient pass)
+    bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dU (or dv: dv_after_states) step and state-gradient pass
     bwd_dq_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dq step (chunked_bwd_dq_kernel)
     bwd_dk_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of its dk step (chunked_bwd_dk_kernel)
     bwd_wy_warps: int = knob("bwd", "warps", (2, 4, 8))  # delta rules: warps of the backward's UT step (chunked_bwd_wy_kernel)
@@ -463,6 +463,9 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
     in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32."""
     tile = 2 if dtype == torch.bfloat16 else 4
+    if dv_after_states(spec):
+        # the raw queries transposed and do, both in the input dtype (no keys, no dU: dv_after_states)
+        return chunk * (BF + BV) * dtype.itemsize
     if spec.rule.ut_transform:
         size = chunk * (2 * BF + BV) * tile
     else:
@@ -474,8 +477,12 @@ def bwd_states_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torc
     """The tiles one chunk of the backward's state-gradient pass loads: the decayed keys and the
     queries transposed (in chunked_pass_dtype), and do; the delta rule's W transposed and dU in
     chunked_pass_dtype, the additive rule's dU (dv's local part) in float32. do is in the input
-    dtype, do / n in chunked_pass_dtype with normalize sum."""
+    dtype, do / n in chunked_pass_dtype with normalize sum. With dv_after_states, only the raw
+    queries transposed and do."""
     tile = 2 if dtype == torch.bfloat16 else 4
+    if dv_after_states(spec):
+        # the raw queries transposed and do, both in the input dtype (no keys, no dU: dv_after_states)
+        return chunk * (BF + BV) * dtype.itemsize
     if spec.rule.ut_transform:
         return chunk * (3 * BF * tile + BV * (tile + dtype.itemsize))
     return chunk * (2 * BF * tile + BV * (4 + (tile if spec.normalize == "sum" else dtype.itemsize)))
@@ -940,6 +947,8 @@ class KernelSpec:
     keys_in_passes: bool            # the additive rule's state passes read each chunk's keys from k, raw, the decay on
                                     # their dots' other side: no keys step (keys_in_passes)
     states_decay_ahead: bool        # the forward's state pass loads each chunk's Γ_C an iteration ahead (states_decay_ahead)
+    dv_after_states: bool           # the additive rule's backward: the state-gradient pass reads q, then a dv step
+                                    # reads its dS (dv_after_states)
     rule_hook: hooks.AdditiveRule | None  # the update rule's Triton fragments for the step templates (linear specs)
     decay_hook: hooks.NoDecay       # the decay's
     feature_hook: hooks.FeatureMap  # the feature map's (identity for softmax specs)
@@ -1004,6 +1013,18 @@ def keys_in_passes(spec: Spec) -> bool:
             and spec.qk_norm == "none" and spec.normalize == "none")
 
 
+def dv_after_states(spec: Spec) -> bool:
+    """Whether the additive rule's backward walks the state gradient before its dv step: the sequential
+    pass reads each chunk's queries from q, raw, with its decays from g (as keys_in_passes reads the keys)
+    and only walks dS <- Γ_C dS + (Q ⊙ Γ)^T dO, storing dS per chunk; a chunk-parallel step after it
+    computes dv = P^T dO + (K ⊙ Γ_C/Γ) dS in one program per chunk. Otherwise a chunk-parallel step
+    before the pass stores the local dU = P^T dO (float32) and the queries Q̂ ⊙ Γ, and the pass adds
+    (K̂ ⊙ Γ_C/Γ) dS to each chunk's dU: a second dot and a [BT, BV] float32 load per chunk on the
+    sequential pass, and 6 bytes per token and lane of dU and queries written and read again. The same
+    specs as keys_in_passes (raw queries and keys: no feature map, l2 norm or normalizer)."""
+    return keys_in_passes(spec)
+
+
 def states_decay_ahead(spec: Spec) -> bool:
     """Whether the forward's state pass loads each chunk's stored Γ_C an iteration ahead (a narrow load
     that Triton's software pipeline leaves in place, on the loop's critical path S <- Γ_C S + ..), as
@@ -1052,7 +1073,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
-        states_decay_ahead=states_decay_ahead(spec),
+        states_decay_ahead=states_decay_ahead(spec), dv_after_states=dv_after_states(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         feature_hook=hooks.feature_hook(feature),
         mask_hook=None if spec.is_linear else hooks.mask_hook(spec.mask, spec.window or 0),
@@ -1113,13 +1134,18 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
                       + (", the queries' features for the steps after it" if stored else "") + in_span), *blocks)
-    backward += (("chunked_bwd_du_local_kernel", "chunk-parallel, at the launch's bwd_warps: dU = P^T dO inside the chunk, Q ⊙ Γ"
-                  + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
-                                                         if stored else "")),
-                 ("chunked_bwd_states_kernel", "sequential over chunks at bwd_warps, one dot on the critical path: dS per chunk"
-                  + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")
-                  + (", the normalizer column's dz" if norm else "")
-                  + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments))
+    if dv_after_states(spec):
+        backward += (("chunked_bwd_states_kernel", "sequential over chunks at bwd_warps, one dot per chunk: dS per chunk "
+                      "(each chunk's queries from q, its decays from g, in its loop)" + segments),
+                     ("chunked_bwd_dv_kernel", "chunk-parallel, at the launch's bwd_warps: dv = P^T dO + K̂r dS"))
+    else:
+        backward += (("chunked_bwd_du_local_kernel", "chunk-parallel, at the launch's bwd_warps: dU = P^T dO inside the chunk, "
+                      "Q ⊙ Γ" + (", (Q ⊙ Γ)^T c" if norm else "") + (" (from the stored features of the keys and queries)"
+                                                                   if stored else "")),
+                     ("chunked_bwd_states_kernel", "sequential over chunks at bwd_warps, one dot on the critical path: dS per chunk"
+                      + (", dU += K̂r dS" if delta else ", dv = dU + K̂r dS")
+                      + (", the normalizer column's dz" if norm else "")
+                      + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"

@@ -781,16 +781,16 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # across t, except pairs inside the chunk, which cancel; the pair s = t (decay ratio 1) is kept
 # out of dq̂, dk̂ until the end (dP_tt apart): its rounding would swamp a strong decay's small dg.
 # No sum runs across chunks: the last terms are the exact share of the later tokens.
-# Steps (one kernel each; only step 3 runs over the chunks in sequence, and it only multiplies):
-#   1. chunked_states, the forward's: chunked_keys_kernel (chunk-parallel: the decayed keys
-#      K̂ ⊙ Γ_C/Γ, Γ_C) and chunked_states_kernel (sequential: h_c).
-#   2. chunked_bwd_du_local_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then
-#      by value blocks the intra-chunk dU = P^T dO; and the queries of the state gradient Q̂ ⊙ Γ.
-#   3. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
+# Steps (one kernel each; only step 2 runs over the chunks in sequence, and it only multiplies):
+#   1. chunked_states, the forward's: chunked_states_kernel (sequential: h_c, each chunk's keys
+#      from k and its decays from g in its loop).
+#   2. chunked_bwd_states_kernel, sequential per (sequence x head, value block), dS [BF, BV] in
 #      registers from the final state's gradient, chunks in reverse: stores dS (the chunk-end
-#      state's gradient, per chunk slot) and dv = dU + (K̂ ⊙ Γ_C/Γ) dS, then dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO;
-#      after chunk 0, dS is the initial state's gradient. Two dots per chunk, one on the critical
-#      path (dv's is off it).
+#      state's gradient, per chunk slot), then dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO, each chunk's queries
+#      from q and its decays from g in its loop (planner.dv_after_states); after chunk 0, dS is the
+#      initial state's gradient. One dot per chunk.
+#   3. chunked_bwd_dv_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then by
+#      value blocks dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS.
 #   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
 #      dP, sum_v h_c ⊙ dS; -> dq̂, the decay gradient's query terms and chunk term; the chain rule through
 #      scale and the feature map -> dq.
@@ -804,97 +804,26 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us; mamba2's
 # took 1600 us as one, 668 + 1084 as two (BENCHMARKS.md). dv is not computed in step 4: P^T and the
 # decayed keys would hold registers through its value loop.
-# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype)
-# and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype), Γ_C; the state gradient per chunk dS [chunk slots, H, F, V]
-# (chunked_bwd_states_dtype); dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂ ⊙ Γ
-# [B, T, H, F] (chunked_pass_dtype: it only enters dots); step 4a's part of the decay gradient (float32).
+# Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] and the state gradient
+# per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); step 4a's part of the decay gradient (float32).
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
 
 @triton.jit
-def chunked_bwd_du_local_kernel(
-    # pointers
-    q, k, g, omega, do, du, qg, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
-):
-    # step 2, one program per chunk slot and head: P^T [BT, BT], then by value blocks the intra-chunk
-    # dU = P^T dO (into du, which step 3 completes); Q̂ ⊙ Γ for step 3 (qg)
-    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
-        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        i_n = i_s // tl.cdiv(T, BT)
-        i_c = i_s % tl.cdiv(T, BT)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    m_k, m_f = o_k < K, o_f < F
-    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
-    m_strict = o_i[:, None] > o_i[None, :]
-    m_strict_t = o_i[:, None] < o_i[None, :]
-    m_causal_t = o_i[:, None] <= o_i[None, :]
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tf = m_t[:, None] & m_f[None, :]
-    # [BT, BK] -> [BT, BF] queries (with scale) and keys; [BK, BT] -> [BF, BT] queries transposed by the load
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    b_q = b_q * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-
-    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-
-    b_qt = b_qt * scale
-    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
-    b_G = tl.cumsum(b_g, 0)
-    b_GC = tl.sum(b_g, 0)
-    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BF] the queries of the state gradient
-    tl.store(qg + o_tok[:, None] * F + o_f[None, :], (b_q * b_gam[:, None]).to(qg.dtype.element_ty), mask=m_tf)
-    # [BT, BT] P^T [s, t]
-    b_Pt = chunked_dot(b_k, b_qt, DOT_PRECISION) * tl.exp(tl.where(m_causal_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        # [BT, BV]
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(du + o_tok[:, None] * V + o_v[None, :], chunked_dot(b_Pt, b_do, DOT_PRECISION).to(du.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit
 def chunked_bwd_states_kernel(
     # pointers
-    w, k, qg, g, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
+    w, q, g, do, dht, ds, dh0, dse, dsd, cu_seqlens, chunk_offsets,
     # dims
-    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+    T, SEG, NE, H: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, F: tl.constexpr, K: tl.constexpr, scale,
     # meta
     BT: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr, G_DTYPE: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ENDS: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    # step 3, one program per (sequence x head, value block): the state gradient walked back over the
-    # chunks; the loop reads each chunk's keys from k, its decays from g, (planner.keys_in_passes), loads
-    # stored tiles and multiplies. V columns of the state gradient, dO, dU and dv
+    # step 2, one program per (sequence x head, value block): the state gradient walked back over the
+    # chunks; the loop reads each chunk's queries from q, its decays from g, (planner.dv_after_states) and
+    # multiplies. V columns of the state gradient and dO; step 3 (chunked_bwd_dv_kernel) reads the dS stored.
     # And segment (axis 2), walked back over its chunks [c0, c1) of SEG (kernel_lib.chunked_state_segments).
     # ENDS: the first of two launches, each segment's gradient of its start state from zeros (E into dse
     # [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into
@@ -967,20 +896,10 @@ def chunked_bwd_states_kernel(
         b_gam = tl.exp(b_G.to(tl.float32))
         b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
         b_gam_C = tl.exp(b_GC.to(tl.float32))
-        # [BT, BK] the keys
-        b_kr = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        # [BF, BT] the queries of the state gradient, transposed by the load: dot operands as stored
-        b_qgt = tl.load(qg + o_tok[None, :] * F + o_f[:, None], mask=m_f[:, None] & m_t[None, :], other=0.0)
-
-        # [BT, BV] dU = (step 2's P^T dO) + (K̂ ⊙ Γ_C/Γ) dS; the stored part is added to the product,
-        # not its accumulator, so that it is prefetched with the tiles above (chunked_states_kernel's U0)
+        # [BK, BT] the raw queries transposed by the load, times Γ and the scale: the queries of the state gradient
+        b_qgt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+        b_qgt = b_qgt * (b_gam * scale)[None, :]
         b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        # (ENDS too, where the rule's dS update reads dU, as the delta rule's does; only the second launch stores it)
-        b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        # (K ⊙ Γ_C/Γ) dS = diag(Γ_C/Γ) (K dS)
-        b_du = b_du + chunked_dot(b_kr, b_dh, DOT_PRECISION) * b_gam_rest[:, None]
-        if not ENDS:
-            tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_du.to(dv.dtype.element_ty), mask=m_tv)
         # dS <- Γ_C dS + (Q̂ ⊙ Γ)^T dO: the gradient of the chunk-start state
         b_dh = chunked_dot(b_qgt, b_do, DOT_PRECISION, b_dh * b_gam_C)
         if ENDS:
@@ -995,6 +914,74 @@ def chunked_bwd_states_kernel(
         # the first segment's start: the initial state's gradient
         if i_g == 0:
             tl.store(dh0 + o_state, b_dh.to(dh0.dtype.element_ty), mask=m_state)
+
+
+@triton.jit
+def chunked_bwd_dv_kernel(
+    # pointers
+    q, k, g, do, ds, dv, cu_seqlens, chunk_offsets, chunk_seq,
+    # dims
+    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
+    scale,
+    # meta
+    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
+):
+    # step 3, one program per chunk slot and head: P^T [BT, BT], then by value blocks
+    # dv = P^T dO + (K ⊙ Γ_C/Γ) dS, dS the chunk-end state's gradient as step 2 stored it
+    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
+    if IS_VARLEN:
+        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
+        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        i_n = i_s // tl.cdiv(T, BT)
+        i_c = i_s % tl.cdiv(T, BT)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    else:
+        bos = i_n.to(tl.int64) * T
+        T_seq = T
+
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_f = tl.arange(0, BF)
+    m_k, m_f = o_k < K, o_f < F
+    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
+    m_strict = o_i[:, None] > o_i[None, :]
+    m_strict_t = o_i[:, None] < o_i[None, :]
+    m_causal_t = o_i[:, None] <= o_i[None, :]
+    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T_seq
+    o_tok = (bos + o_t) * H + i_h
+    m_tf = m_t[:, None] & m_f[None, :]
+    # [BT, BK] the keys; [BK, BT] the queries (with scale) transposed by the load
+    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_qt = tl.load(q + o_tok[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+    b_qt = b_qt * scale
+    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
+    b_g = floor_log_decay(tl.load(g + o_tok, mask=m_t, other=0.0).to(G_DTYPE))
+    b_G = tl.cumsum(b_g, 0)
+    b_GC = tl.sum(b_g, 0)
+    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
+    b_gam = tl.exp(b_G.to(tl.float32))
+    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
+    b_gam_C = tl.exp(b_GC.to(tl.float32))
+    # [BT, BT] P^T [s, t]
+    b_Pt = chunked_dot(b_k, b_qt, DOT_PRECISION) * tl.exp(tl.where(m_causal_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
+    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        # [BT, BV] dO; [BF, BV] dS
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        b_ds = tl.load(ds + o_hc + o_f[:, None] * V + o_v[None, :], mask=m_f[:, None] & m_v[None, :], other=0.0)
+        # (K ⊙ Γ_C/Γ) dS = diag(Γ_C/Γ) (K dS), then P^T dO accumulated into it
+        b_dv = chunked_dot(b_k, b_ds, DOT_PRECISION) * b_gam_rest[:, None]
+        b_dv = chunked_dot(b_Pt, b_do, DOT_PRECISION, b_dv)
+        tl.store(dv + o_tok[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -1225,15 +1212,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     parallel = dict(BK=BK, num_stages=2, G_DTYPE=chunked_decay_dtype(q.dtype), **meta)
     # the values as the dots take the delta rule's U (chunked_pass_dtype: fp16 ones become float32)
     u = v.to(chunked_pass_dtype(q.dtype))
-    # step 2: the intra-chunk dU = P^T dO (float32: step 3 completes it into dv, which rounds once) and
-    # the queries of the state gradient
-    du, qg = torch.empty(B, T, H, V, **f32), torch.empty(B, T, H, F, **tiles)
-    chunked_bwd_du_local_kernel[(st.n_slots * H,)](
-        q, k, g, omega, do, du, qg, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, x_scale=K ** -0.25,
-        f_scale=F ** -0.5, **parallel,
-    )
-    # step 3: the state gradient per chunk, dv, dh0, by value blocks of its own (launch.bwd_states_BV;
-    # its stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
+    # step 2: the state gradient per chunk and dh0, by value blocks of its own (launch.bwd_states_BV; its
+    # stages from the tiles one chunk loads: planner.bwd_states_stage_bytes)
     ds = torch.empty(st.n_slots, H, F, V, device=q.device, dtype=chunked_bwd_states_dtype(q.dtype))
     dv = torch.empty_like(v)
     dh0 = torch.empty_like(initial_state) if initial_state is not None else None
@@ -1243,18 +1223,18 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None)
     dse = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     dsd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
-    # (each chunk's keys from k and g in its loop: planner.keys_in_passes)
-    args = (None, k, qg, g, do, dht, du, dv, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets,
-            T, seg, G - 1, H, V, V, F, K)
+    # (each chunk's queries from q and g in its loop: planner.dv_after_states)
+    args = (None, q, g, do, dht, ds, dh0, dse, dsd, cu_seqlens, st.chunk_offsets, T, seg, G - 1, H, V, V, F, K, scale)
     kw = dict(meta, HAS_DHT=dht is not None, HAS_H0=initial_state is not None, num_stages=launch.bwd_ds_stages,
               BV=launch.bwd_states_BV, SPLIT=G > 1, BK=BK, G_DTYPE=chunked_decay_dtype(q.dtype))
     if G > 1:
         chunked_bwd_states_kernel[grid + (G - 1,)](*args, ENDS=True, **kw)
     chunked_bwd_states_kernel[grid + (G,)](*args, ENDS=False, **kw)
-    # the state keys, Γ_C, the queries of step 3 and the local dv have no reader past it: their memory
-    # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
-    del qg, du, args, dse, dsd
-    st = st._replace(kr=None, gc=None)
+    del args, dse, dsd
+    # step 3: dv = P^T dO + (K ⊙ Γ_C/Γ) dS, chunk-parallel
+    chunked_bwd_dv_kernel[(st.n_slots * H,)](
+        q, k, g, do, ds, dv, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, **parallel,
+    )
     # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dgq, dg = torch.empty(g.shape, **f32), torch.empty_like(g)

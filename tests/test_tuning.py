@@ -278,8 +278,9 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("name", ["gated_deltanet", "mamba2"])
 def test_the_backward_steps_take_their_own_warps(name, monkeypatch):
-    """bwd_warps launches the backward's dU step and state-gradient pass, bwd_dq_warps its dq step and
-    bwd_dk_warps its dk step, each at its own; the gradients are the same at any warps."""
+    """bwd_warps launches the backward's dU step (the dv step after the pass: planner.dv_after_states) and
+    state-gradient pass, bwd_dq_warps its dq step and bwd_dk_warps its dk step, each at its own; the
+    gradients are the same at any warps."""
     op = attngen.load(SPECS / f"{name}.yaml")
     module = codegen.load_module(op.spec)
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=70, heads=2, head_dim=16, value_dim=24), dtype=torch.float32,
@@ -287,14 +288,14 @@ def test_the_backward_steps_take_their_own_warps(name, monkeypatch):
     form, ints = kernel_launch(op, inputs)
     base = planner.ChunkedLaunch(*ints)
     other = dataclasses.replace(base, bwd_warps=2, bwd_dq_warps=8, bwd_dk_warps=4)
-    kernels = ["chunked_bwd_du_local_kernel", "chunked_bwd_states_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"]
+    local = "chunked_bwd_dv_kernel" if planner.dv_after_states(op.spec) else "chunked_bwd_du_local_kernel"
+    kernels = [local, "chunked_bwd_states_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"]
     launches = spy_launches(monkeypatch, module, kernels)
     want = linear_grads(module, inputs, form, base)
     launches.clear()
     got = linear_grads(module, inputs, form, other)
     warps = {name: kw["num_warps"] for name, _, kw in launches}
-    assert warps == {"chunked_bwd_du_local_kernel": 2, "chunked_bwd_states_kernel": 2, "chunked_bwd_dq_kernel": 8,
-                     "chunked_bwd_dk_kernel": 4}, warps
+    assert warps == {local: 2, "chunked_bwd_states_kernel": 2, "chunked_bwd_dq_kernel": 8, "chunked_bwd_dk_kernel": 4}, warps
     assert all(rel_error(g, w) < 1e-5 for g, w in zip(got, want))
 
 
@@ -361,12 +362,13 @@ def test_the_backward_steps_take_value_blocks_of_their_own(name, monkeypatch):
                            initial_state=False)
     form, ints = kernel_launch(op, inputs)
     base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_dq_BV=32, bwd_dk_BV=32, bwd_wy_BV=32)
-    kernels = ("chunked_bwd_du_local_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel", "chunked_bwd_wy_kernel")
+    kernels = ("chunked_bwd_du_local_kernel", "chunked_bwd_dv_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel",
+               "chunked_bwd_wy_kernel")
     spied = spy_launches(monkeypatch, module, tuple(k for k in kernels if hasattr(module, k)))
     want = linear_grads(module, inputs, form, base)
     spied.clear()
     got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_dq_BV=16, bwd_dk_BV=64, bwd_wy_BV=16))
-    blocks = {"chunked_bwd_du_local_kernel": 32, "chunked_bwd_dq_kernel": 16, "chunked_bwd_dk_kernel": 64,
+    blocks = {"chunked_bwd_du_local_kernel": 32, "chunked_bwd_dv_kernel": 32, "chunked_bwd_dq_kernel": 16, "chunked_bwd_dk_kernel": 64,
               "chunked_bwd_wy_kernel": 16}
     assert [(k, kw["BV"]) for k, _, kw in spied] == [(k, blocks[k]) for k in kernels if hasattr(module, k)]
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
