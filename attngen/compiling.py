@@ -220,16 +220,17 @@ def first_call(kind: Hashable, dry_run: Callable[[], None]) -> None:
     _SEEN.add(kind)
 
 
-def dry_run(module, args: tuple, backward: bool) -> None:
+def dry_run(module, args: tuple, backward: bool, **backward_kw) -> None:
     """A generated module's forward(*args), the body of its op, and, with `backward`, its backward as
     autograd would call it (the gradient of o, and None for the other outputs: the op's autograd
     does not materialize zeros for them): inside compile_only(), the launches of a call's forward
     and backward. Both without the dispatcher (the registered ops' first call imports torch._dynamo:
     first_call makes that import while the pool compiles). The backward is called here, not through
-    autograd, whose engine runs a CUDA backward on a thread of its own, outside compile_only()."""
+    autograd, whose engine runs a CUDA backward on a thread of its own, outside compile_only();
+    backward_kw as autograd would pass them (a linear module's decay_grad)."""
     with torch.no_grad():
         outs = module.forward(*args)
         if backward:
             n = len(module.SAVED_INPUTS)
             grads = (torch.empty_like(outs[0]), *[None] * (len(outs) - 1))
-            module.backward(*args[:n], *args[n:], *outs, *grads, dispatch=False)
+            module.backward(*args[:n], *args[n:], *outs, *grads, dispatch=False, **backward_kw)

@@ -351,7 +351,9 @@ class Op:
             names = (LINEAR_OP if self.spec.is_linear else SOFTMAX_OP).names
             kind = (module.__name__, form, tuple(launch), backward, bool(output_final_state),
                     *(_compile_kind(n, a) for n, a in zip(names, args)))
-            compiling.first_call(kind, lambda: compiling.dry_run(module, args, backward))
+            # (the linear backward's kernels without the decay gradient's terms where g requires no grad)
+            backward_kw = dict(decay_grad=g is not None and g.requires_grad) if self.spec.is_linear else {}
+            compiling.first_call(kind, lambda: compiling.dry_run(module, args, backward, **backward_kw))
         # through the registered op where autograd records the call or something traces or intercepts it;
         # else its forward, the same launches without the dispatcher's pass over the op (host time of a
         # softmax decode call, bench/decode_host.py)

@@ -200,6 +200,8 @@ SAVED = Arg("saved", "Tensor", "what the forward kept for its backward (the delt
             "the backward recomputes it")
 DO = Arg("do", "Tensor", "the gradient of a loss on the output o")
 DHT = Arg("dht", "Tensor?", "the final state's gradient; None where no loss reached it")
+DECAY_GRAD = Arg("decay_grad", "bool", "whether the decay's gradient is asked for (g requires grad); False: dg is None "
+                 "and the additive rule's kernels skip its terms", default="True")
 STATE = Arg("state", "Tensor", "a StateCache's states [S, H, F, VS], read and written in place")
 SLOTS = Arg("slots", "Tensor", "the cache slot of each sequence [N]; -1: padding")
 MAX_LEN = Arg("max_len", "SymInt", "the longest sequence (of the packed ones, with cu_seqlens)")
@@ -225,7 +227,7 @@ def _contract(arg: Arg, kind: str | None = None, default: str = "None") -> Arg:
 LINEAR_INPUTS = OpSignature((Q, K, V, G, BETA, OMEGA, INITIAL_STATE, CU_SEQLENS))
 LINEAR_OP = LINEAR_INPUTS + OpSignature((SCALE, FORM, LAUNCH, OUTPUT_FINAL_STATE, FOR_BACKWARD))
 LINEAR_CACHED = OpSignature((Q, K, V, G, BETA, OMEGA, STATE, SLOTS, CU_SEQLENS, SCALE, FORM, LAUNCH))
-LINEAR_BACKWARD = LINEAR_OP.without("output_final_state", "for_backward") + OpSignature((SAVED, DO, DHT))
+LINEAR_BACKWARD = LINEAR_OP.without("output_final_state", "for_backward") + OpSignature((SAVED, DO, DHT, DECAY_GRAD))
 LINEAR_CONTRACT = OpSignature((
     Q, K, V, _contract(G), _contract(BETA), _contract(SCALE, "float?"), _contract(INITIAL_STATE),
     _contract(OUTPUT_FINAL_STATE, default="False"), _contract(CU_SEQLENS)))

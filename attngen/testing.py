@@ -133,7 +133,9 @@ def bench_inputs(spec: Spec, shape: Shape, dtype: torch.dtype, device, seed: int
     """Random inputs of a spec's op for timing (`attngen bench`, `attngen tune`), drawn on the device
     (long sequences need no host copy, unlike random_inputs): q, k, v standard normal in dtype; log
     decays logsigmoid(x + 3) (mild, as trained gates are) in float32, a constant one from -0.01 to
-    -0.2 over the heads; beta sigmoid(x) in dtype."""
+    -0.2 over the heads; beta sigmoid(x) in dtype. requires_grad: every input but a constant decay,
+    which stays fixed (RetNet's per-head decays; fla's g_gamma has no gradient either), so that its
+    backward computes no decay gradient (chunked_bwd's decay_grad)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     B, Tq, H, K, V = shape.batch, shape.q_len, shape.heads, shape.head_dim, shape.value_dim
@@ -147,8 +149,8 @@ def bench_inputs(spec: Spec, shape: Shape, dtype: torch.dtype, device, seed: int
         t["g"] = -torch.linspace(0.01, 0.2, H, device=device)
     if spec.is_linear and spec.rule.takes_beta:
         t["beta"] = torch.sigmoid(rnd(B, T, H)).to(dtype)
-    for x in t.values():
-        x.requires_grad_(requires_grad)
+    for name, x in t.items():
+        x.requires_grad_(requires_grad and not (name == "g" and spec.decay == "constant"))
     return t
 
 

@@ -1413,7 +1413,6 @@ def chunked_bwd_dq_kernel(
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
     b_dq = chunked_dot(tl.where(m_strict, b_dP, 0.0), b_k, DOT_PRECISION, b_dq)
-
     # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k) * scale
     # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
@@ -1490,7 +1489,6 @@ def chunked_bwd_dk_kernel(
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)
     b_dki = b_uds
-
     # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
     tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
 
@@ -1612,7 +1610,7 @@ def chunked_bwd_states_dtype(dtype):
     return chunked_pass_dtype(dtype)
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht):
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht, decay_grad=True):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch,
     saved what chunked_fwd kept for it (the rows of (I + A)^-1 or an empty tensor) ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
@@ -1770,14 +1768,17 @@ def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
-def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+                     decay_grad):
     """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
         grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), saved,
-                            do, dht)
+                            do, dht, decay_grad)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
+    # (a decay gradient not asked for is None, whether or not the kernels skipped it)
+    dg = dg if decay_grad else None
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
 
@@ -1786,23 +1787,26 @@ def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+    decay_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
-    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht)
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+                            decay_grad)
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht, decay_grad):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
-    return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
+    return like(q), like(k), like(v), like(g if decay_grad else None), like(beta), like(initial_state)
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None, dispatch=True):
+             o, ht, saved, do, dht, dsaved=None, dispatch=True, decay_grad=True):
     """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
     (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
     order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
     registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
+    decay_grad False (g does not require grad): dg is None, and the additive rule's kernels skip its terms.
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
     expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
     summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
@@ -1811,12 +1815,12 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     run = backward_op if dispatch else backward_kernels
     dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
-                                     do.contiguous(), dht)
+                                     do.contiguous(), dht, decay_grad)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
     present = lambda gr, t: gr if t is not None else None
-    return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None
+    return dq, dk, dv, present(dg, g if decay_grad else None), present(dbeta, beta), None, present(dh0, initial_state), None
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -1862,7 +1866,7 @@ def _first_order(ctx, *grads):
     grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
     if form in BACKWARD_FORMS:
-        got = backward(*inputs, *ctx.rest, *outputs, *grads)
+        got = backward(*inputs, *ctx.rest, *outputs, *grads, decay_grad=ctx.needs_input_grad[3])
     else:
         got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)
     return (*got, *([None] * len(ctx.rest)))

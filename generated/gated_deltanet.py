@@ -1475,7 +1475,7 @@ def chunked_bwd_dq_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, DG: tl.constexpr,
 ):
     # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
     # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
@@ -1516,7 +1516,8 @@ def chunked_bwd_dq_kernel(
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dgc = tl.zeros([BF], dtype=tl.float32)
+    if DG:
+        b_dgc = tl.zeros([BF], dtype=tl.float32)
     b_duh = tl.zeros([BT, BF], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -1527,14 +1528,16 @@ def chunked_bwd_dq_kernel(
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
         b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
-        # [BV, BF] dS transposed by the load, as h_c
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)
+        if DG:
+            # [BV, BF] dS transposed by the load, as h_c
+            b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+            b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)
         # [BT, BV] dU, as step 3 completed it
         b_du = tl.load(du + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_duh = chunked_dot(b_du, b_hct, DOT_PRECISION, b_duh)
-    # [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's
-    tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)
+    if DG:
+        # [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's
+        tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)
     # [BT, BF] dW = -dU h_c^T, step 5's (chunked_pass_dtype: it only enters dots there)
     tl.store(dw + o_tok[:, None] * F + o_f[None, :], (-b_duh).to(dw.dtype.element_ty), mask=m_t[:, None] & m_f[None, :])
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
@@ -1561,8 +1564,9 @@ def chunked_bwd_dq_kernel(
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) ⊙ Γ and the pairs s < t of dP K̂
     b_dq = b_dqh * b_gam[:, None]
     b_dq = chunked_dot(b_dP * b_D, b_k, DOT_PRECISION, b_dq)
-    # the decay gradient's query terms q̂ ⊙ dq̂ (float32, by token; the pair s = t apart), for step 4b's sums
-    tl.store(dgq + o_tok, tl.sum(b_q_hat * b_dq, 1) * scale, mask=m_t)
+    if DG:
+        # the decay gradient's query terms q̂ ⊙ dq̂ (float32, by token; the pair s = t apart), for step 4b's sums
+        tl.store(dgq + o_tok, tl.sum(b_q_hat * b_dq, 1) * scale, mask=m_t)
     # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k) * scale
     # l2 norm: y = x / |x| -> dx = (dy - y (y . dy)) / |x|
@@ -1579,7 +1583,7 @@ def chunked_bwd_dk_kernel(
     scale, x_scale, f_scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, DG: tl.constexpr,
 ):
     # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
     # step 4's shares of dk̂ and of the decay gradient (with step 4a's query terms)
@@ -1625,8 +1629,9 @@ def chunked_bwd_dk_kernel(
         b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
         b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-    # [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)
-    b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
+    if DG:
+        # [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)
+        b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
@@ -1652,12 +1657,13 @@ def chunked_bwd_dk_kernel(
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(b_dPt * b_Dt, b_qs, DOT_PRECISION, b_dk)
     b_dki = b_uds * b_gam_rest[:, None]
-    # the decay gradient's P and state terms (G_DTYPE): the reverse sum inside the chunk of
-    # q̂ ⊙ dq̂ (step 4a's) - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
-    b_dgs = tl.load(dgq + o_tok, mask=m_t, other=0.0).to(G_DTYPE) - tl.sum(b_k * b_dk, 1).to(G_DTYPE)
-    b_dgi = tl.sum(b_k * b_dki, 1).to(G_DTYPE)
-    b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(G_DTYPE)
-    tl.store(dg_part + o_tok, b_dg.to(tl.float32), mask=m_t)
+    if DG:
+        # the decay gradient's P and state terms (G_DTYPE): the reverse sum inside the chunk of
+        # q̂ ⊙ dq̂ (step 4a's) - k̂ ⊙ dk̂', the forward (exclusive) sum of k̂ ⊙ dk̂", and the chunk term
+        b_dgs = tl.load(dgq + o_tok, mask=m_t, other=0.0).to(G_DTYPE) - tl.sum(b_k * b_dk, 1).to(G_DTYPE)
+        b_dgi = tl.sum(b_k * b_dki, 1).to(G_DTYPE)
+        b_dg = tl.sum(b_dgs, 0, keep_dims=True) - tl.cumsum(b_dgs, 0) + b_dgs + tl.cumsum(b_dgi, 0) - b_dgi + (tl.sum(b_dgc, 0) * b_gam_C).to(G_DTYPE)
+        tl.store(dg_part + o_tok, b_dg.to(tl.float32), mask=m_t)
     # [BT, BF] step 4's dk̂: dk̂' + dk̂" and the pair s = t
     tl.store(dk_part + o_tok[:, None] * F + o_f[None, :], b_dk + b_dki + b_dd[:, None] * b_qs, mask=m_tf)
 
@@ -1793,10 +1799,11 @@ def chunked_bwd_states_dtype(dtype):
     return chunked_pass_dtype(dtype)
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht):
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht, decay_grad=True):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch,
     saved what chunked_fwd kept for it (the rows of (I + A)^-1 or an empty tensor) ->
-    (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None)."""
+    (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None).
+    decay_grad: the delta rules' UT step sums the decay gradient with step 4's, which it always computes."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
     chunk = launch.bwd_chunk
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -1862,7 +1869,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dgc = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_dq_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale,
-        x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps),
+        x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps, DG=True),
     )
     # h_c has no reader past step 4a (4b reads dS and U, and 4a's chunk term): its memory goes back before 4b allocates
     st = st._replace(h=None)
@@ -1870,7 +1877,7 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dk_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, ds, dgc, dgq, dk_part, dg_part, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV, num_warps=launch.bwd_dk_warps),
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV, num_warps=launch.bwd_dk_warps, DG=True),
     )
     # nor dS and U past step 4
     del ds
@@ -1954,14 +1961,17 @@ def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
-def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+                     decay_grad):
     """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
         grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), saved,
-                            do, dht)
+                            do, dht, decay_grad)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
+    # (a decay gradient not asked for is None, whether or not the kernels skipped it)
+    dg = dg if decay_grad else None
     return tuple(gr if gr is not None else q.new_empty(0) for gr in (dq, dk, dv, dg, dbeta, dh0))
 
 
@@ -1970,23 +1980,26 @@ def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
+    decay_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
-    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht)
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+                            decay_grad)
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht, decay_grad):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
-    return like(q), like(k), like(v), like(g), like(beta), like(initial_state)
+    return like(q), like(k), like(v), like(g if decay_grad else None), like(beta), like(initial_state)
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None, dispatch=True):
+             o, ht, saved, do, dht, dsaved=None, dispatch=True, decay_grad=True):
     """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
     (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
     order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
     registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
+    decay_grad False (g does not require grad): dg is None, and the additive rule's kernels skip its terms.
     Grouped value heads (v with G times the heads of q, k): the backward kernels run on q and k
     expanded to the value heads (G copies of each in memory, unlike the forward), and dq, dk are
     summed back over each group of G; the current limit, until the backward kernels read q, k in place."""
@@ -1995,12 +2008,12 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     run = backward_op if dispatch else backward_kernels
     dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
-                                     do.contiguous(), dht)
+                                     do.contiguous(), dht, decay_grad)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))
     present = lambda gr, t: gr if t is not None else None
-    return dq, dk, dv, present(dg, g), present(dbeta, beta), None, present(dh0, initial_state), None
+    return dq, dk, dv, present(dg, g if decay_grad else None), present(dbeta, beta), None, present(dh0, initial_state), None
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -2046,7 +2059,7 @@ def _first_order(ctx, *grads):
     grads = (grads[0] if grads[0] is not None else torch.zeros_like(outputs[0]), *grads[1:])
     form = ctx.rest[1]
     if form in BACKWARD_FORMS:
-        got = backward(*inputs, *ctx.rest, *outputs, *grads)
+        got = backward(*inputs, *ctx.rest, *outputs, *grads, decay_grad=ctx.needs_input_grad[3])
     else:
         got = runtime_op().recompute_grads(dict(zip(SAVED_INPUTS, inputs)), ctx.rest, grads)
     return (*got, *([None] * len(ctx.rest)))

@@ -242,6 +242,46 @@ def test_loss_on_output_only(kernel_backward, name):
         assert rel_error(grads["kernel"][n], ref) < 2e-5, n
 
 
+@pytest.mark.parametrize("name", ["retnet", "mamba2", "gla", "gated_deltanet"])
+def test_decay_gradient_not_asked_for(kernel_backward, monkeypatch, name):
+    """A log decay that requires no grad (RetNet's fixed per-head decays, frozen gates): g.grad stays None,
+    the other gradients equal those of a call that asks for dg too, and the additive rule's dq and dk
+    steps launch without the decay gradient's terms (DG False)."""
+    op, calls = kernel_backward(SPECS[name])
+    module = codegen.load_module(op.spec)
+    launched = []
+    for kernel in ("chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"):
+        inner = getattr(module, kernel)
+
+        class Spy:
+            def __init__(self, inner, kernel):
+                self.inner, self.kernel = inner, kernel
+
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    launched.append((self.kernel, kwargs["DG"]))
+                    return self.inner[grid](*args, **kwargs)
+                return run
+        monkeypatch.setattr(module, kernel, Spy(inner, kernel))
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=37, heads=2, head_dim=16, value_dim=24))
+    inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
+    do = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for asked in (True, False):
+        leaves = {n: t.detach().clone().requires_grad_(n != "g" or asked) if t.is_floating_point() else t
+                  for n, t in inputs.items()}
+        o, _ = op(**leaves, form="chunked", chunk_size=16)
+        o.backward(do)
+        grads[asked] = {n: t.grad for n, t in leaves.items() if t.is_floating_point()}
+    assert len(calls) == 2
+    assert grads[True]["g"] is not None and grads[False]["g"] is None
+    for n, t in grads[True].items():
+        if n != "g":
+            assert rel_error(grads[False][n], t) == 0.0, n
+    delta = op.spec.rule.ut_transform
+    assert [dg for _, dg in launched] == [True, True, delta, delta]
+
+
 @pytest.mark.parametrize("name", ["linear_transformer", "retnet", "gated_deltanet"])
 def test_every_gradient_element_written(kernel_backward, name, poison_fresh_buffers):
     """Gradient and scratch buffers allocated NaN-filled (as torch.empty's garbage may be): the

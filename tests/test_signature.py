@@ -21,7 +21,7 @@ PINNED = {
         "bool for_backward=False) -> (Tensor, Tensor, Tensor)",
         "attngen::gated_deltanet_<hash>_bwd(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? omega, "
         "Tensor? initial_state, Tensor? cu_seqlens, float scale, str form, SymInt[] launch, Tensor saved, Tensor do, "
-        "Tensor? dht) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "Tensor? dht, bool decay_grad=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         "attngen::gated_deltanet_<hash>_cached(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, "
         "Tensor? omega, Tensor(a6!) state, Tensor slots, Tensor? cu_seqlens, float scale, str form, "
         "SymInt[] launch) -> Tensor",

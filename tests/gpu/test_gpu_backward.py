@@ -58,3 +58,24 @@ def test_bidirectional_float32_favor_kernels(d, T, monkeypatch):
     assert calls, "the kernels' backward did not run"
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("name", ["retnet", "mamba2", "gla", "gated_deltanet"])
+def test_decay_gradient_not_asked_for(name):
+    """A log decay without requires_grad: g.grad stays None and the other gradients are those of a call
+    that asks for dg too (the additive rule's dq and dk steps compiled without the decay gradient's terms)."""
+    op = attngen.load(SHIPPED[name])
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=1000, heads=2, head_dim=128, value_dim=128), seed=11)
+    inputs = {n: (t.to("cuda", torch.bfloat16) if n in ("q", "k", "v", "beta") else t.to("cuda")) for n, t in inputs.items()}
+    do = torch.randn(inputs["v"].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(torch.bfloat16)
+    grads = {}
+    for asked in (True, False):
+        leaves = {n: t.detach().clone().requires_grad_(n != "g" or asked) for n, t in inputs.items()}
+        o, _ = op(**leaves)
+        o.backward(do)
+        grads[asked] = {n: t.grad for n, t in leaves.items()}
+    assert grads[True]["g"] is not None and grads[False]["g"] is None
+    for n, t in grads[True].items():
+        if n != "g":
+            err = (grads[False][n].float() - t.float()).norm() / t.float().norm()
+            assert err <= 1e-6, f"{n}: {err:.2e}"
