@@ -667,7 +667,8 @@ def tune(spec: Spec, shapes: list, dtype: torch.dtype, device: torch.device | st
         run = (decode and _cached_runner(op, module, inputs, call)) or _runner(op, module, inputs, call)
         measure = _measurer(run, LOWP_FACTOR * LOWP_FLOOR[dtype], timer or (do_bench_graph if decode else do_bench))
         report(f"{spec.name} {format_shape(shape)} {dtype_name(dtype)} on {mach.describe()}:")
-        prepare = _compiler(module, run.args) if run.args and compiling.applies(torch.device(device)) else None
+        prepare = (_compiler(module, run.args, run.backward_kw) if run.args and compiling.applies(torch.device(device))
+                   else None)
         timed = ("fwd",) if decode else passes
         key_ = key(spec, family, call, dtype)
         given = tuple(dataclasses.replace(default, **knobs) for knobs in seeds)
@@ -732,16 +733,17 @@ def _measurer(run, tol: float, timer) -> Callable[[planner.Launch, str], float]:
     return measure
 
 
-def _compiler(module, args: Callable[[planner.Launch], tuple]) -> Callable[[list[planner.Launch], str], None]:
+def _compiler(module, args: Callable[[planner.Launch], tuple],
+              backward_kw: dict) -> Callable[[list[planner.Launch], str], None]:
     """prepare(launches, pass) for search(): the kernels of the launches' pass (fwd: the forward's;
-    bwd: the forward's and the backward's) compiled side by side on the compilation pool, so that
-    timing them compiles nothing. A launch whose kernels fail to compile is left to the timing,
-    which reports it."""
+    bwd: the forward's and the backward's, called with backward_kw as the timing calls it) compiled
+    side by side on the compilation pool, so that timing them compiles nothing. A launch whose
+    kernels fail to compile is left to the timing, which reports it."""
     def prepare(launches: list[planner.Launch], pass_: str) -> None:
         with compiling.compile_only(compiling.threads(), ignore_errors=True):
             for launch in launches:
                 try:
-                    compiling.dry_run(module, args(launch), backward=pass_ == "bwd")
+                    compiling.dry_run(module, args(launch), backward=pass_ == "bwd", **backward_kw)
                 except Exception:  # noqa: BLE001 -- the launch's own timing reports its error
                     pass
     return prepare
@@ -805,9 +807,12 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
     def forward(launch):
         return module.op(*args(launch))
 
+    # as autograd calls it: a linear backward without the decay gradient where g requires no grad
+    backward_kw = dict(decay_grad=g is not None and g.requires_grad) if spec.is_linear else {}
+
     def backward(launch, *outputs):
         # the generated backward(op's arguments, its outputs, their gradients: do and none for the other)
-        return module.backward(*args(launch), *outputs, do, None)
+        return module.backward(*args(launch), *outputs, do, None, **backward_kw)
 
     def run(launch, pass_):
         if pass_ == "fwd":
@@ -824,5 +829,5 @@ def _runner(op, module, inputs: dict, call: Call) -> Callable[[planner.Launch, s
         if pass_ == "bwd":
             backward(launch, *outs)
 
-    run.args, run.step = args, step
+    run.args, run.step, run.backward_kw = args, step, backward_kw
     return run
