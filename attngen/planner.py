@@ -1149,10 +1149,11 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"
-                  + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS" if decayed else "")
+                  + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS"
+                     + ("" if delta else " (where g requires grad)") if decayed else "")
                   + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
     backward += (("chunked_bwd_dk_kernel", "chunk-parallel, at bwd_dk_warps: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
-                  + (", the decay gradient" if decayed else "") + step4),)
+                  + ((", the decay gradient" + ("" if delta else " (where g requires grad)")) if decayed else "") + step4),)
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
                       "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)
@@ -1220,10 +1221,10 @@ MEMORY = {
               "chunk-start states at the launch's backward chunk C' (bwd_chunk; T/C' x F x V per head: bf16 for "
               "bf16 inputs, else float32; the sum normalizer's column T/C' x F float32) and keeps the "
               "state gradient per chunk (as many values, of the same dtype) and per-token pieces (dU, the decayed "
-              "queries: T x (F + V); with the delta rule a dk and decay-gradient part for its UT step, T x F "
-              "float32, and its dA, T x C' float32; with the normalizer n, c and dO / n), transient inside the "
-              "backward, each released after the last step that reads it (the peak of a training step: "
-              "python bench/peak_memory.py SPEC)",
+              "queries: T x (F + V), none where the state-gradient pass reads q: dv_after_states; with the "
+              "delta rule a dk and decay-gradient part for its UT step, T x F float32, and its dA, T x C' "
+              "float32; with the normalizer n, c and dO / n), transient inside the backward, each released "
+              "after the last step that reads it (the peak of a training step: python bench/peak_memory.py SPEC)",
 }
 
 
