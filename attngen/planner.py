@@ -463,9 +463,6 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
     in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32."""
     tile = 2 if dtype == torch.bfloat16 else 4
-    if dv_after_states(spec):
-        # the raw queries transposed and do, both in the input dtype (no keys, no dU: dv_after_states)
-        return chunk * (BF + BV) * dtype.itemsize
     if spec.rule.ut_transform:
         size = chunk * (2 * BF + BV) * tile
     else:
