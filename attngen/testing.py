@@ -98,6 +98,24 @@ def kernel_launch(op, inputs: dict, form: str | None = None, chunk_size: int | N
     return launch_of(op.spec, op.choose(call, form, chunk_size), call, inputs["q"].device, inputs["q"].dtype)
 
 
+def spy_launches(monkeypatch, module, kernels) -> list:
+    """Each launch of the generated module's `kernels` from now on, in order, as (kernel, grid,
+    keyword arguments); the launches still run."""
+    launches = []
+    for kernel in kernels:
+        real = getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, kernel=kernel):
+                def launch(*args, **kwargs):
+                    launches.append((kernel, grid, kwargs))
+                    return real[grid](*args, **kwargs)
+                return launch
+
+        monkeypatch.setattr(module, kernel, Spy())
+    return launches
+
+
 def parse_shape(text: str) -> Shape:
     """B,T,H,K,V[,Tq[,H_kv]] -> a Shape: T the keys' length (and the queries' unless Tq is given:
     decode is Tq 1), H_kv the key / value heads (grouped-query softmax)."""

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 import attngen
 from attngen import codegen, kernel_lib, planner, tuning
 from attngen.reference import reference
-from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, vector_gates_across_span
+from attngen.testing import (FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, spy_launches,
+                             vector_gates_across_span)
 
 import specs
 from strategies import STRICTLY_POSITIVE_MAPS, causal_linear, legal_specs
@@ -248,21 +249,7 @@ def test_decay_gradient_not_asked_for(kernel_backward, monkeypatch, name):
     the other gradients equal those of a call that asks for dg too, and the additive rule's dq and dk
     steps launch without the decay gradient's terms (DG False)."""
     op, calls = kernel_backward(SPECS[name])
-    module = codegen.load_module(op.spec)
-    launched = []
-    for kernel in ("chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"):
-        inner = getattr(module, kernel)
-
-        class Spy:
-            def __init__(self, inner, kernel):
-                self.inner, self.kernel = inner, kernel
-
-            def __getitem__(self, grid):
-                def run(*args, **kwargs):
-                    launched.append((self.kernel, kwargs["DG"]))
-                    return self.inner[grid](*args, **kwargs)
-                return run
-        monkeypatch.setattr(module, kernel, Spy(inner, kernel))
+    launched = spy_launches(monkeypatch, codegen.load_module(op.spec), ("chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"))
     inputs = random_inputs(op.spec, Shape(batch=2, q_len=37, heads=2, head_dim=16, value_dim=24))
     inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
     do = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1))
@@ -279,7 +266,7 @@ def test_decay_gradient_not_asked_for(kernel_backward, monkeypatch, name):
         if n != "g":
             assert rel_error(grads[False][n], t) == 0.0, n
     delta = op.spec.rule.ut_transform
-    assert [dg for _, dg in launched] == [True, True, delta, delta]
+    assert [kw["DG"] for _, _, kw in launched] == [True, True, delta, delta]
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "retnet", "gated_deltanet"])

@@ -17,7 +17,7 @@ import torch
 import attngen
 from attngen import codegen, planner, runtime, tuning
 from attngen.inputs import Call
-from attngen.testing import Shape, bench_inputs, kernel_launch, random_inputs, rel_error
+from attngen.testing import Shape, bench_inputs, kernel_launch, random_inputs, rel_error, spy_launches
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
@@ -208,24 +208,6 @@ def test_fit_holds_a_launch_to_the_call():
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, one_stage).states_BV == 64
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, dataclasses.replace(one_stage, stages=3)).states_BV == 32
     assert planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, one_stage).states_BV == 32
-
-
-def spy_launches(monkeypatch, module, kernels) -> list:
-    """Each launch of the generated module's `kernels` from now on, in order, as (kernel, grid,
-    keyword arguments); the launches still run."""
-    launches = []
-    for kernel in kernels:
-        real = getattr(module, kernel)
-
-        class Spy:
-            def __getitem__(self, grid, real=real, kernel=kernel):
-                def launch(*args, **kwargs):
-                    launches.append((kernel, grid, kwargs))
-                    return real[grid](*args, **kwargs)
-                return launch
-
-        monkeypatch.setattr(module, kernel, Spy())
-    return launches
 
 
 def linear_grads(module, inputs, form, launch) -> list:
