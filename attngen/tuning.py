@@ -10,13 +10,16 @@ kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUD
 - a hit is used, with no search;
 - a miss takes the nearest tuned bucket of the same head dims (whose state passes split a long
   sequence where their programs leave SMs idle: kernel_lib.chunked_state_segments), else the
-  planner's default, and
+  launch a shipped table of a sibling GPU holds for the bucket or its nearest (another GPU of the
+  same compute capability, with the same Triton: the H100 and the H200 share sm_90 and its 132
+  SMs and shared memory, so one's launches compile and run right on the other, and they are nearer
+  its best than the planner's defaults), else the planner's default, and
   warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
   searches instead (seconds to minutes, once: the winner is written to the user's table);
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
   at that chunk, or the default, silently.
 Tables made on another GPU or Triton version are ignored with a warning (the shipped ones of
-other GPUs silently), and so are entries whose launch knobs are not this version's (a table an
+other GPUs silently, but as siblings above), and so are entries whose launch knobs are not this version's (a table an
 earlier attngen wrote); a table that cannot be read is an error naming its file.
 """
 from __future__ import annotations
@@ -287,6 +290,7 @@ def record(entries: list[Entry], mach: Machine, directory: Path | None = None) -
     new = {e.key: e for e in entries}
     write_table(path, Table(mach, tuple(e for e in kept if e.key not in new) + tuple(new.values())))
     _tables.cache_clear()
+    _sibling_tables.cache_clear()
     _remembered.cache_clear()
     return path
 
@@ -339,6 +343,24 @@ def tables(mach: Machine) -> dict[Key, tuple[Entry, Path]]:
     return _tables(mach, tune_dir())
 
 
+def sibling_tables(mach: Machine) -> dict[Key, tuple[Entry, Path]]:
+    """The entries of the shipped tables of sibling GPUs: another GPU of the same compute capability
+    and Triton version (tables in file-name order, the first holding a key gives it)."""
+    return _sibling_tables(mach, SHIPPED)
+
+
+@functools.lru_cache(maxsize=16)
+def _sibling_tables(mach: Machine, shipped: Path) -> dict[Key, tuple[Entry, Path]]:
+    found: dict[Key, tuple[Entry, Path]] = {}
+    for path in sorted(shipped.glob("*.json")) if shipped.is_dir() else ():
+        table = read_table(path)
+        other = table.machine
+        if other.gpu != mach.gpu and (other.capability, other.triton) == (mach.capability, mach.triton):
+            for entry in table.entries:
+                found.setdefault(entry.key, (entry, path))
+    return found
+
+
 # ---------------------------------------------------------------------------- lookup
 @dataclasses.dataclass(frozen=True)
 class Chosen:
@@ -379,16 +401,24 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
         entry = search()
         return Chosen(fit(launch=entry.launch), "tuned now (ATTNGEN_AUTOTUNE=1)")
     near = nearest(want, found)
+    siblings = sibling_tables(mach) if not near else {}
+    sibling = want if want in siblings else nearest(want, siblings)
     if near:
         entry, path = found[near]
         chosen = Chosen(fit(launch=entry.launch), f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
+        using = "nearest tuned bucket"
+    elif sibling:
+        entry, path = siblings[sibling]
+        bucket_ = "" if sibling == want else f" for the nearest bucket, {entry.key.bucket.describe()},"
+        chosen = Chosen(fit(launch=entry.launch), f"tuned{bucket_} on a sibling GPU ({path})")
+        using = f"launch tuned{bucket_} on a sibling GPU of the same compute capability and Triton ({path.name})"
     else:
         chosen = Chosen(fit(launch=default), f"default (no tuned {family} launch for this bucket)")
+        using = "defaults"
     if chunk is None:
         _warn_once(("miss", want, mach),
                    f"attngen: no tuned {family} launch of spec {spec.name!r} for {dtype_name(dtype)}, "
-                   f"{want.bucket.describe()} on {mach.describe()}; using the "
-                   f"{'nearest tuned bucket' if near else 'defaults'}. To tune it: "
+                   f"{want.bucket.describe()} on {mach.describe()}; using the {using}. To tune it: "
                    f"`{tune_command(spec, call, dtype)}` (or set ATTNGEN_AUTOTUNE=1 to tune on a miss)")
     return chosen
 
@@ -694,8 +724,8 @@ def tuned_shapes(spec: Spec, dtype: torch.dtype, mach: Machine, directory: Path 
 def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, ...]:
     """The launches a search of key_'s shape starts beside the default, from the machine's table in
     `directory`: the entry it replaces, and the nearest tuned bucket's launch, the one resolve() gives
-    this shape without an entry; none where there is no table, or one this version cannot read
-    (record() then says so)."""
+    this shape without an entry, else a sibling GPU's shipped launch for it (sibling_tables); none
+    where there is no table, or one this version cannot read (record() then says so)."""
     path = directory / mach.file_name()
     try:
         entries = read_table(path).entries if path.exists() else ()
@@ -703,7 +733,13 @@ def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, .
         return ()
     by_key = {e.key: e.launch for e in entries}
     near = nearest(key_, by_key)
-    return ((by_key[key_],) if key_ in by_key else ()) + ((by_key[near],) if near else ())
+    seeds = ((by_key[key_],) if key_ in by_key else ()) + ((by_key[near],) if near else ())
+    if not near:
+        # the sibling GPU's launch resolve() takes without an entry of this GPU's
+        siblings = sibling_tables(mach)
+        sibling = key_ if key_ in siblings else nearest(key_, siblings)
+        seeds += (siblings[sibling][0].launch,) if sibling else ()
+    return seeds
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:

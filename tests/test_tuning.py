@@ -44,9 +44,11 @@ def tables(monkeypatch, tmp_path):
     monkeypatch.delenv("ATTNGEN_AUTOTUNE", raising=False)
     monkeypatch.setattr(tuning, "_WARNED", set())
     tuning._tables.cache_clear()
+    tuning._sibling_tables.cache_clear()
     tuning._remembered.cache_clear()
     yield
     tuning._tables.cache_clear()
+    tuning._sibling_tables.cache_clear()
     tuning._remembered.cache_clear()
 
 
@@ -481,15 +483,47 @@ def test_tables_of_another_gpu_or_triton_are_ignored_with_a_warning():
     tuned = dataclasses.replace(default(call), BV=128)
     stale = dataclasses.replace(FAKE, triton="3.5.0")
     tuning.record([entry(call, tuned)], stale)
-    # shipped for another GPU: not this one's, and nothing to say about it
-    tuning.record([entry(call, tuned)], dataclasses.replace(FAKE, gpu="Other GPU"), tuning.SHIPPED)
+    # shipped for another GPU of another architecture, or of this one with another Triton: not this
+    # one's, and nothing to say about it
+    tuning.record([entry(call, tuned)], tuning.Machine("Other GPU", "10.0", "3.6.0"), tuning.SHIPPED)
+    tuning.record([entry(call, tuned)], tuning.Machine("Third GPU", "9.0", "3.5.0"), tuning.SHIPPED)
     with pytest.warns(UserWarning) as got:
         chosen = resolve(call)
     assert chosen.launch == default(call)
     messages = [str(w.message) for w in got]
     assert any(f"ignoring the tuning table {tuning.tune_dir() / stale.file_name()}" in m and "Triton 3.5.0" in m
                for m in messages), messages
-    assert not any("Other GPU" in m for m in messages), messages
+    assert not any("Other GPU" in m or "Third GPU" in m for m in messages), messages
+
+
+def test_a_miss_takes_a_sibling_gpus_shipped_launch():
+    """A bucket this GPU has no table entry for, nor a nearest one, takes the launch a shipped table
+    of a sibling GPU (same compute capability and Triton, e.g. the H200's on an H100) holds for it
+    or for its nearest bucket, before the planner's defaults; it says so in the miss warning. This
+    GPU's own entries, exact or nearest, come first, and a user's table of the sibling is not taken."""
+    call = linear_call()
+    sibling = tuning.Machine("NVIDIA Sibling GPU", "9.0", "3.6.0")
+    theirs = dataclasses.replace(default(call), BV=64, states_warps=8)
+    tuning.record([entry(call, theirs), entry(linear_call(T=4096, K=64, V=64), theirs)], sibling, tuning.SHIPPED)
+    with pytest.warns(UserWarning, match="using the launch tuned on a sibling GPU of the same compute capability"):
+        chosen = resolve(call)
+    assert chosen.launch == theirs and "sibling GPU" in chosen.source
+    assert chosen.source.endswith(f"({tuning.SHIPPED / sibling.file_name()})")
+    # its nearest bucket, held to the call as a nearest bucket of this GPU's would be
+    with pytest.warns(UserWarning, match="for the nearest bucket, T 4096 B\\*H 64 K 64 V 64, on a sibling GPU"):
+        near = resolve(linear_call(T=8192, K=64, V=64))
+    assert near.launch == planner.fit_chunked(GDN, linear_call(K=64, V=64), torch.bfloat16, theirs)
+    # off the sibling's buckets: the defaults
+    with pytest.warns(UserWarning, match="using the defaults"):
+        assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
+    # this GPU's own entry, even of a nearest bucket, first
+    ours = dataclasses.replace(default(call), BV=32)
+    tuning.record([entry(linear_call(T=4096), ours)], FAKE, tuning.SHIPPED)
+    assert resolve(call).launch == ours
+    # a user's table of the sibling is another GPU's, not a shipped sibling's
+    tuning.record([entry(linear_call(K=256, V=256), theirs)], sibling)
+    with pytest.warns(UserWarning, match="ignoring the tuning table"):
+        assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
 
 
 def test_entries_of_another_versions_knobs_are_ignored_with_a_warning():
@@ -947,6 +981,14 @@ def test_tune_seeds_the_search_with_the_entry_it_replaces_and_the_nearest(monkey
     tuning.tune(spec, [Shape(batch=1, q_len=40, heads=2, head_dim=32, value_dim=32)], torch.float32, "cpu",
                 mach=FAKE, report=lambda line: None, directory=tmp_path)
     assert seeds[3] == ()
+    # a sibling GPU's shipped launch where this GPU has no entry (what the runtime takes then)
+    wide = Shape(batch=1, q_len=40, heads=2, head_dim=64, value_dim=64)
+    wide_call = Call(1, 40, 40, 2, 64, 64, 64, 1, 40, 64 ** -0.5, False, 2)
+    theirs = dataclasses.replace(planner.chunked_launch(spec, wide_call, torch.float32), chunk=32)
+    tuning.record([entry(wide_call, theirs, spec=spec, dtype=torch.float32)],
+                  dataclasses.replace(FAKE, gpu="NVIDIA Sibling GPU"), tuning.SHIPPED)
+    tuning.tune(spec, [wide], torch.float32, "cpu", mach=FAKE, report=lambda line: None, directory=tmp_path)
+    assert seeds[4] == (theirs,)
     # a table it cannot read holds no seed (writing the entry then reports the table's error)
     (tmp_path / FAKE.file_name()).write_text("not json")
     assert tuning._seeds(tmp_path, FAKE, tuning.Key("chunked", "0", "float32", tuning.Bucket(64, 64, 2, 16, 16))) == ()
