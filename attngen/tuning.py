@@ -8,12 +8,12 @@ a JSON file for one GPU, compute capability and Triton version: shipped with the
 default $ATTNGEN_CACHE/tune; it overrides a shipped entry of the same key). Its entries are keyed by
 kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUDA device:
 - a hit is used, with no search;
-- a miss takes the nearest tuned bucket of the same head dims (whose state passes split a long
-  sequence where their programs leave SMs idle: kernel_lib.chunked_state_segments), else the
-  launch a shipped table of a sibling GPU holds for the bucket or its nearest (another GPU of the
-  same compute capability, with the same Triton: the H100 and the H200 share sm_90 and its 132
-  SMs and shared memory, so one's launches compile and run right on the other, and they are nearer
-  its best than the planner's defaults), else the planner's default, and
+- a miss takes the launch a shipped table of a sibling GPU holds for the bucket (another GPU of the
+  same compute capability, with the same Triton: the H100 and the H200 share sm_90, its 132 SMs and
+  shared memory, so one's launches compile and run right on the other, and they are nearer its best
+  than the planner's defaults), else the nearest tuned bucket of the same head dims, this GPU's
+  first, then a sibling's (whose state passes split a long sequence where their programs leave SMs
+  idle: kernel_lib.chunked_state_segments), else the planner's default, and
   warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
   searches instead (seconds to minutes, once: the winner is written to the user's table);
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
@@ -400,9 +400,10 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
     if chunk is None and search is not None and autotuning():
         entry = search()
         return Chosen(fit(launch=entry.launch), "tuned now (ATTNGEN_AUTOTUNE=1)")
-    near = nearest(want, found)
-    siblings = sibling_tables(mach) if not near else {}
-    sibling = want if want in siblings else nearest(want, siblings)
+    # a sibling GPU's entry for this very bucket before an entry of this GPU's for another
+    siblings = sibling_tables(mach)
+    near = nearest(want, found) if want not in siblings else None
+    sibling = want if want in siblings else None if near else nearest(want, siblings)
     if near:
         entry, path = found[near]
         chosen = Chosen(fit(launch=entry.launch), f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
@@ -723,8 +724,8 @@ def tuned_shapes(spec: Spec, dtype: torch.dtype, mach: Machine, directory: Path 
 
 def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, ...]:
     """The launches a search of key_'s shape starts beside the default, from the machine's table in
-    `directory`: the entry it replaces, and the nearest tuned bucket's launch, the one resolve() gives
-    this shape without an entry, else a sibling GPU's shipped launch for it (sibling_tables); none
+    `directory`: the entry it replaces, the nearest tuned bucket's launch, and a sibling GPU's shipped
+    launch for the shape or its nearest (sibling_tables): those resolve() gives it without an entry; none
     where there is no table, or one this version cannot read (record() then says so)."""
     path = directory / mach.file_name()
     try:
@@ -733,13 +734,10 @@ def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, .
         return ()
     by_key = {e.key: e.launch for e in entries}
     near = nearest(key_, by_key)
-    seeds = ((by_key[key_],) if key_ in by_key else ()) + ((by_key[near],) if near else ())
-    if not near:
-        # the sibling GPU's launch resolve() takes without an entry of this GPU's
-        siblings = sibling_tables(mach)
-        sibling = key_ if key_ in siblings else nearest(key_, siblings)
-        seeds += (siblings[sibling][0].launch,) if sibling else ()
-    return seeds
+    siblings = sibling_tables(mach)
+    sibling = key_ if key_ in siblings else nearest(key_, siblings)
+    return (((by_key[key_],) if key_ in by_key else ()) + ((by_key[near],) if near else ())
+            + ((siblings[sibling][0].launch,) if sibling else ()))
 
 
 def _rounded(times: dict[str, float | None]) -> dict[str, float | None]:

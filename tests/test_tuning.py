@@ -500,7 +500,8 @@ def test_a_miss_takes_a_sibling_gpus_shipped_launch():
     """A bucket this GPU has no table entry for, nor a nearest one, takes the launch a shipped table
     of a sibling GPU (same compute capability and Triton, e.g. the H200's on an H100) holds for it
     or for its nearest bucket, before the planner's defaults; it says so in the miss warning. This
-    GPU's own entries, exact or nearest, come first, and a user's table of the sibling is not taken."""
+    GPU's own entry of the bucket comes first, the sibling's of the bucket before this GPU's nearest, and
+    this GPU's nearest before the sibling's nearest; a user's table of the sibling is not taken."""
     call = linear_call()
     sibling = tuning.Machine("NVIDIA Sibling GPU", "9.0", "3.6.0")
     theirs = dataclasses.replace(default(call), BV=64, states_warps=8)
@@ -516,9 +517,14 @@ def test_a_miss_takes_a_sibling_gpus_shipped_launch():
     # off the sibling's buckets: the defaults
     with pytest.warns(UserWarning, match="using the defaults"):
         assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
-    # this GPU's own entry, even of a nearest bucket, first
+    # this GPU's own entry of a nearest bucket: after the sibling's of the bucket, before its nearest
     ours = dataclasses.replace(default(call), BV=32)
     tuning.record([entry(linear_call(T=4096), ours)], FAKE, tuning.SHIPPED)
+    assert resolve(call).launch == theirs
+    with pytest.warns(UserWarning, match="using the nearest tuned bucket"):
+        assert resolve(linear_call(T=16384)).launch == planner.fit_chunked(GDN, linear_call(T=16384), torch.bfloat16, ours)
+    # and its own entry of the bucket first of all
+    tuning.record([entry(call, ours)], FAKE, tuning.SHIPPED)
     assert resolve(call).launch == ours
     # a user's table of the sibling is another GPU's, not a shipped sibling's
     tuning.record([entry(linear_call(K=256, V=256), theirs)], sibling)
