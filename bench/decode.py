@@ -19,7 +19,9 @@ on the host (no sync; the GPU runs behind), and the part of it spent inside each
 Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
 and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
 launch cost its layers share); the effective state bandwidth (the state read and written once per
-step) of the graph of one step. The first line gives the floor: a graph of one tiny kernel.
+step) of the graph of one step, and the copy ceiling beside it: a graph of one copy_ of the same
+bytes (read and written once; `of copy` the step's share of it). The first line gives the floor: a
+graph of one tiny kernel.
 """
 from __future__ import annotations
 
@@ -182,8 +184,8 @@ def main() -> None:
         print(f"fla unavailable ({e}): attngen alone")
     tiny = torch.zeros(16, device="cuda")
     print(f"floor: a graph of one tiny kernel (add_ on 16 floats) {us(graphed(lambda: tiny.add_(1))):.1f} us")
-    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6} {'fla eager':>10} {'fla graph':>10} "
-          f"{f'x{STEPS} us':>7} {'rel diff':>9}")
+    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6} {'copy TB/s':>9} {'of copy':>7} "
+          f"{'fla eager':>10} {'fla graph':>10} {f'x{STEPS} us':>7} {'rel diff':>9}")
     torch.manual_seed(0)
     for batch in map(int, args.batch.split(",")):
         x = dict(q=torch.randn(batch, 1, H, K), k=torch.randn(batch, 1, H, K), v=torch.randn(batch, 1, H, V),
@@ -198,8 +200,11 @@ def main() -> None:
             t_eager = us(lambda: step(**x, slots=slots))
             t_graph = us(graphed(lambda: step(**x, slots=slots)))
             t_steps = us(graphed(lambda: [step(**x, slots=slots) for _ in range(STEPS)])) / STEPS
+            copied = torch.empty_like(start)
+            t_copy = us(graphed(lambda: copied.copy_(start)))
             row = (f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {t_steps:>7.1f} "
-                   f"{2 * start.numel() * 4 / t_graph / 1e6:>6.2f}")
+                   f"{2 * start.numel() * 4 / t_graph / 1e6:>6.2f} {2 * start.numel() * 4 / t_copy / 1e6:>9.2f} "
+                   f"{t_copy / t_graph:>7.2f}")
             if fused_recurrent_gated_delta_rule is not None:
                 # fla's decode as served before the cache: the batch's states in, new final states
                 # out (its keys and queries l2-normalized beforehand, as attngen's spec does)
