@@ -11,9 +11,10 @@ kernel family, spec hash, dtype and a shape bucket (bucket()). Per call on a CUD
 - a miss takes the launch a shipped table of a sibling GPU holds for the bucket (another GPU of the
   same compute capability, with the same Triton: the H100 and the H200 share sm_90, its 132 SMs and
   shared memory, so one's launches compile and run right on the other, and they are nearer its best
-  than the planner's defaults), else the nearest tuned bucket of the same head dims, this GPU's
-  first, then a sibling's (whose state passes split a long sequence where their programs leave SMs
-  idle: kernel_lib.chunked_state_segments), else the planner's default, and
+  than the planner's defaults), else the nearest tuned bucket of the same head dims in this GPU's
+  tables and the siblings' (this GPU's on a tie; its state passes' segments the policy's for the
+  call, carried(): a long sequence is split where its programs leave SMs idle,
+  kernel_lib.chunked_state_segments), else the planner's default, and
   warns once per bucket with the `attngen tune` command that fills it; with ATTNGEN_AUTOTUNE=1 it
   searches instead (seconds to minutes, once: the winner is written to the user's table);
 - a call held to a chunk (chunk_size=, or the parallel form's one chunk) takes a table's launch
@@ -386,6 +387,15 @@ def nearest(want: Key, keys) -> Key | None:
     return min(near)[2] if near else None
 
 
+def carried(launch: planner.Launch) -> planner.Launch:
+    """A launch tuned for one bucket as another bucket takes it: its knobs, but for the sequential
+    passes' segments, which the policy gives the call (kernel_lib.chunked_state_segments: a sequence
+    is split where its programs leave SMs idle). A count tuned for a bucket whose programs fill the GPU
+    (1: no split) would leave a long single sequence's pass on a few SMs: deltanet B1 T32768 H16 K = V =
+    128 bf16 on an H100, fwd+bwd 6.806 ms with B4 T8192's tuned segments=1 (BENCHMARKS.md 2026-12-06c)."""
+    return dataclasses.replace(launch, segments=0) if isinstance(launch, planner.ChunkedLaunch) else launch
+
+
 def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machine, default: planner.Launch,
             chunk: int | None = None, search: Callable[[], Entry] | None = None) -> Chosen:
     """The launch of a call on a machine from its tables (the module docstring's rules). default:
@@ -400,18 +410,28 @@ def resolve(spec: Spec, family: str, call: Call, dtype: torch.dtype, mach: Machi
     if chunk is None and search is not None and autotuning():
         entry = search()
         return Chosen(fit(launch=entry.launch), "tuned now (ATTNGEN_AUTOTUNE=1)")
-    # a sibling GPU's entry for this very bucket before an entry of this GPU's for another
+    # a sibling GPU's entry for this very bucket, else the nearest bucket of this GPU's tables and the
+    # siblings' (this GPU's on a tie)
     siblings = sibling_tables(mach)
-    near = nearest(want, found) if want not in siblings else None
-    sibling = want if want in siblings else None if near else nearest(want, siblings)
+    near = sibling = None
+    if want in siblings:
+        sibling = want
+    else:
+        near, sibling = nearest(want, found), nearest(want, siblings)
+        if near and sibling:
+            if want.bucket.distance(near.bucket) <= want.bucket.distance(sibling.bucket):
+                sibling = None
+            else:
+                near = None
     if near:
         entry, path = found[near]
-        chosen = Chosen(fit(launch=entry.launch), f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
+        chosen = Chosen(fit(launch=carried(entry.launch)), f"tuned for the nearest bucket, {entry.key.bucket.describe()} ({path})")
         using = "nearest tuned bucket"
     elif sibling:
         entry, path = siblings[sibling]
         bucket_ = "" if sibling == want else f" for the nearest bucket, {entry.key.bucket.describe()},"
-        chosen = Chosen(fit(launch=entry.launch), f"tuned{bucket_} on a sibling GPU ({path})")
+        chosen = Chosen(fit(launch=entry.launch if sibling == want else carried(entry.launch)),
+                        f"tuned{bucket_} on a sibling GPU ({path})")
         using = f"launch tuned{bucket_} on a sibling GPU of the same compute capability and Triton ({path.name})"
     else:
         chosen = Chosen(fit(launch=default), f"default (no tuned {family} launch for this bucket)")

@@ -416,6 +416,12 @@ def test_a_nearest_bucket_launch_fills_the_gpu_by_segments():
     with pytest.warns(UserWarning, match="nearest tuned bucket"):
         assert resolve(linear_call(B=1, T=32768)).launch == dataclasses.replace(tuned, bwd_states_BV=64)
     assert resolve(linear_call()).launch == tuned
+    # a tuned count of segments is its bucket's: another bucket takes the policy's (1, no split, tuned where
+    # B4's programs fill the GPU, would leave B1 T32768's pass on 16 programs)
+    tuning.record([entry(linear_call(), dataclasses.replace(tuned, segments=1))], FAKE)
+    with pytest.warns(UserWarning, match="nearest tuned bucket"):
+        assert resolve(linear_call(B=1, T=16384)).launch == dataclasses.replace(tuned, bwd_states_BV=64)
+    assert resolve(linear_call()).launch.segments == 1
     # one segment (the launch's segments=1; packed sequences) keeps the 32 lanes, and so does an additive rule
     call = linear_call(B=1, T=32768)
     assert planner.fit_chunked(GDN, call, torch.bfloat16, dataclasses.replace(tuned, segments=1)).bwd_states_BV == 32
@@ -517,19 +523,30 @@ def test_a_miss_takes_a_sibling_gpus_shipped_launch():
     # off the sibling's buckets: the defaults
     with pytest.warns(UserWarning, match="using the defaults"):
         assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
-    # this GPU's own entry of a nearest bucket: after the sibling's of the bucket, before its nearest
+    # this GPU's own entry of a nearest bucket: after the sibling's of the bucket; of the nearest buckets
+    # the nearer, this GPU's on a tie
     ours = dataclasses.replace(default(call), BV=32)
     tuning.record([entry(linear_call(T=4096), ours)], FAKE, tuning.SHIPPED)
     assert resolve(call).launch == theirs
-    with pytest.warns(UserWarning, match="using the nearest tuned bucket"):
-        assert resolve(linear_call(T=16384)).launch == planner.fit_chunked(GDN, linear_call(T=16384), torch.bfloat16, ours)
+    with pytest.warns(UserWarning, match="using the nearest tuned bucket"):   # T 2048: 4096 is the nearer
+        assert resolve(linear_call(T=2048)).launch == planner.fit_chunked(GDN, linear_call(T=2048), torch.bfloat16, ours)
+    with pytest.warns(UserWarning, match="for the nearest bucket, T 8192 B\\*H 64 K 128 V 128, on a sibling GPU"):
+        assert resolve(linear_call(T=16384)).launch == planner.fit_chunked(GDN, linear_call(T=16384), torch.bfloat16,
+                                                                           theirs)
+    # a nearest bucket's launch with the segments policy's (carried): theirs tuned one segment
+    tuning.record([entry(linear_call(K=256, V=256, T=16384), dataclasses.replace(theirs, segments=1))], sibling,
+                  tuning.SHIPPED)
+    with pytest.warns(UserWarning, match="on a sibling GPU"):
+        assert resolve(linear_call(B=2, K=256, V=256)).launch.segments == 0
     # and its own entry of the bucket first of all
     tuning.record([entry(call, ours)], FAKE, tuning.SHIPPED)
     assert resolve(call).launch == ours
     # a user's table of the sibling is another GPU's, not a shipped sibling's
-    tuning.record([entry(linear_call(K=256, V=256), theirs)], sibling)
-    with pytest.warns(UserWarning, match="ignoring the tuning table"):
-        assert resolve(linear_call(K=256, V=256)).launch == default(linear_call(K=256, V=256))
+    tuning.record([entry(linear_call(K=64, V=64, T=65536), theirs)], sibling)
+    with pytest.warns(UserWarning) as got:
+        assert resolve(linear_call(K=64, V=64, T=65536)).launch != theirs
+    messages = [str(w.message) for w in got]
+    assert any("ignoring the tuning table" in m for m in messages) and any("using the defaults" in m for m in messages)
 
 
 def test_entries_of_another_versions_knobs_are_ignored_with_a_warning():
