@@ -17,7 +17,8 @@ where a change should leave a kernel as it was. --h200 takes the launches a call
 an H200: the shipped table's entry (or its nearest bucket's) and the planner's fill of 132
 multiprocessors, not the CPU's defaults; with --B 4 --H 16 --T 8192 those of the benchmark shape,
 whose registers and spills say which tuned kernels spill (the launch is printed). --h100 the same for an
-H100 (80GB HBM3): its table's entries where it has them, else the planner's defaults. Each kernel's line
+H100 (80GB HBM3): its table's entries where it has them, else the H200 table's (a sibling GPU's,
+tuning.sibling_tables), else the planner's defaults. Each kernel's line
 ends with how many of its programs an sm_90 multiprocessor holds at once and what limits it.
 """
 from __future__ import annotations
