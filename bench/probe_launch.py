@@ -106,11 +106,12 @@ def grads(op, inputs):
 
 
 def table_variant(path: str, name: str, args) -> str | None:
-    """The launch of a table's entry for spec `name` at the probe's timed shape, as a variant."""
+    """The launch of a table's entry for spec `name` at the probe's timed shape (a chunked or softmax
+    launch; a decode shape's entry has a sixth size and is not this shape's), as a variant."""
     import json
     shape = f"{args.B},{args.T},{args.H},{args.D},{args.D}"
     for row in json.loads(Path(path).read_text())["entries"]:
-        if row["spec"] == name and row["shape"] == shape and row["dtype"] == args.dtype and row["kernel"] == "chunked":
+        if row["spec"] == name and row["shape"] == shape and row["dtype"] == args.dtype and row["kernel"] in ("chunked", "softmax"):
             return ",".join(f"{k}={v}" for k, v in row["launch"].items())
     return None
 
