@@ -746,7 +746,7 @@ def _seeds(directory: Path, mach: Machine, key_: Key) -> tuple[planner.Launch, .
     """The launches a search of key_'s shape starts beside the default, from the machine's table in
     `directory`: the entry it replaces, the nearest tuned bucket's launch, and a sibling GPU's shipped
     launch for the shape or its nearest (sibling_tables): those resolve() gives it without an entry; none
-    where there is no table, or one this version cannot read (record() then says so)."""
+    from a table this version cannot read (record() then says so)."""
     path = directory / mach.file_name()
     try:
         entries = read_table(path).entries if path.exists() else ()
