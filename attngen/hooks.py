@@ -169,7 +169,13 @@ class NoDecay:
             return ""
         return ("# [BV, BF] dS transposed by the load, as h_c\n"
                 "b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)\n"
-                "b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)")
+                + self.chunk_term_sum())
+
+    def chunk_term_sum(self) -> str:
+        """The value block's share of b_dgc from its tiles of h_c and dS as loaded (b_hct, b_dst [BV, BF])."""
+        if not self.decayed:
+            return ""
+        return "b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)"
 
     def chunk_term_store(self) -> str:
         """b_dgc into dgc, chunk slot i_s."""

@@ -553,9 +553,17 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # 1211 us at 32 lanes with the decay gradient's chunk term in its loop, 603 at 128 with the term out of
     # it; BENCHMARKS.md 2026-12-04). The additive rules measured best at BV (mamba2, retnet, gla,
     # linear_transformer).
+    # Step 4 in one kernel (fused_dq_dk) by 64 lanes at four warps: gated_deltanet 1091 us against 1832 by
+    # 128, 1135 by 32, 1568 at eight warps by 64; deltanet 796 against 870, 886, 1198 (bf16 B4 T8192 H16 K
+    # = V = 128 on the H100, BENCHMARKS.md 2026-12-06, fourth run).
+    # Past 128 feature lanes it takes eight warps (its three [BT, 256] float32 accumulators: 1580 B spilled at
+    # four, 108 at eight; CPU ptxas, bench/compile_time.py --h100 --bwd --D 256).
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
+    bwd_dq_warps = 8 if fused_dq_dk(spec) and BF > 128 else 4
     if dtype == torch.bfloat16 and spec.rule.ut_transform and BF <= 128:
         bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
+        if fused_dq_dk(spec):
+            bwd_dq_BV = 64
     # The forward's chunk: 32 tokens in bf16 past 128 feature lanes (two warps, [BT, 256] tiles), where
     # measured faster. B2 T8192 H8 K = V = 256 on the H200 (bench/probe_launch.py, BENCHMARKS.md
     # 2026-12-04, tenth run), fwd and fwd+bwd ms: gated_deltanet 2.885 -> 1.147 and 6.796 -> 5.040 (the
@@ -570,7 +578,7 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         maxnreg=MAXNREG, segments=0,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
-        bwd_dq_warps=4,
+        bwd_dq_warps=bwd_dq_warps,
         bwd_dk_warps=4,
         bwd_wy_warps=bwd_wy_warps,
         bwd_wu_warps=bwd_wu_warps,
@@ -634,6 +642,9 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if not spec.rule.ut_transform:
         # the knobs of the delta rules' UT steps: no kernel of an additive rule takes them
         launch = dataclasses.replace(launch, wu_warps=0, bwd_wy_warps=4, bwd_wu_warps=2, bwd_wy_BV=launch.BV)
+    if fused_dq_dk(spec):
+        # step 4 in one kernel at the dq step's knobs: the dk step's move no kernel, and a search does not try them
+        launch = dataclasses.replace(launch, bwd_dk_warps=launch.bwd_dq_warps, bwd_dk_BV=launch.bwd_dq_BV)
     if keys_in_passes(spec):
         # no prepare step (keys_in_passes): its warps move no kernel, and a search does not try them
         launch = dataclasses.replace(launch, prepare_warps=4)
@@ -1034,6 +1045,18 @@ def states_decay_ahead(spec: Spec) -> bool:
             and not keys_in_passes(spec))
 
 
+def fused_dq_dk(spec: Spec) -> bool:
+    """Whether the backward's step 4 runs as one kernel (chunked_bwd_dqk_kernel) rather than its dq and dk
+    steps apart: the two sides read the same chunk's h_c, dS, U, dO, queries and keys, which one program
+    loads once (and keeps the decay gradient's query and chunk terms in registers). The delta rules with no
+    or a scalar decay, without a normalizer or stored features (the cases measured): bf16 B4 T8192 H16 K = V
+    = 128 on the H100, step 4 1433 -> 1091 us for gated_deltanet and 889 -> 796 for deltanet at four warps
+    and 64 value lanes (BENCHMARKS.md 2026-12-06, fourth run). Vector decay's pair sums by blocks hold more
+    registers on each side: kda keeps its two kernels."""
+    return (spec.is_linear and spec.rule.ut_transform and spec.decay in ("none", "scalar")
+            and spec.normalize != "sum" and not stored_grad_features(spec))
+
+
 def stored_grad_features(spec: Spec) -> bool:
     """Whether the backward's dq and dk steps read the stored features as well (stored_features), projecting
     only for the feature map's gradient: not with the l2 norm, whose gradient takes the features before it."""
@@ -1145,12 +1168,18 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
                       + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments))
     decayed = spec.decay != "none"
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
-    backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"
-                  + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS"
-                     + ("" if delta else " (where g requires grad)") if decayed else "")
-                  + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
-    backward += (("chunked_bwd_dk_kernel", "chunk-parallel, at bwd_dk_warps: U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "")
-                  + ((", the decay gradient" + ("" if delta else " (where g requires grad)")) if decayed else "") + step4),)
+    if fused_dq_dk(spec):
+        backward += (("chunked_bwd_dqk_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq, "
+                      "U dS^T and dP^T = U dO^T -> dk share" + (", the decay gradient" if decayed else "")
+                      + ", dW = -dU h_c^T for the UT step (one load of h_c, dS, U and dO)"),)
+    else:
+        backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"
+                      + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS"
+                         + ("" if delta else " (where g requires grad)") if decayed else "")
+                      + (", dW = -dU h_c^T for the UT step" if delta else "") + step4),)
+        backward += (("chunked_bwd_dk_kernel", "chunk-parallel, at bwd_dk_warps: U dS^T and dP^T = U dO^T -> dk"
+                      + (" share" if delta else "")
+                      + ((", the decay gradient" + ("" if delta else " (where g requires grad)")) if decayed else "") + step4),)
     if delta:
         backward += (("chunked_bwd_wy_kernel", "chunk-parallel, at the launch's bwd_wy_warps: the UT transform's "
                       "backward -> dk, dv, dβ" + (", the decay gradient" if decayed else "")),)

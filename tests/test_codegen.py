@@ -167,33 +167,45 @@ def test_explained_chunked_steps_are_the_generated_launches(spec_dict):
 
 
 def test_every_step_template_is_a_step_the_planner_names():
-    """templates/chunked/ and templates/chunked_bwd/ hold one template per step kernel of
-    planner.chunked_steps and nothing else (over the shipped specs, which take every step)."""
+    """templates/chunked/ and templates/chunked_bwd/ hold one template (<step>.py.jinja) per step kernel of
+    planner.chunked_steps and nothing else (over the shipped specs, which take every step), beside macro files
+    the steps share (chunked_bwd/step4.jinja)."""
     templates = ROOT / "attngen" / "templates"
     fwd, bwd = set(), set()
     for path in SPECS:
         ks = planner.kernel_spec(load_spec(path))
         fwd |= set(ks.chunked_fwd_steps)
         bwd |= set(ks.chunked_bwd_steps)
-    assert fwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked").glob("*.jinja")}
-    assert bwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked_bwd").glob("*.jinja")}
+    assert fwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked").glob("*.py.jinja")}
+    assert bwd == {p.name.removesuffix(".py.jinja") for p in (templates / "chunked_bwd").glob("*.py.jinja")}
+    assert {p.name for p in (templates / "chunked_bwd").glob("*.jinja")} - {p.name for p in (templates / "chunked_bwd").glob("*.py.jinja")} == {"step4.jinja"}
 
 
 def test_the_chunk_term_in_the_dq_step():
     """The decay gradient's chunk term sum_v h_c ⊙ dS is summed in the dq step, which streams h_c anyway
-    (it loads dS beside it and stores dgc); the dk step loads the sums and reads no h_c."""
+    (it loads dS beside it and stores dgc); the dk step loads the sums and reads no h_c. Where step 4 is
+    one kernel (planner.fused_dq_dk: gated_deltanet), it reads h_c and dS and keeps the chunk term and the
+    query terms in registers: no dgc, dgq, nor dq and dk steps."""
     import re
 
+    fused = 0
     for path in SPECS:
         spec = load_spec(path)
         if not spec.is_linear or spec.decay == "none" or spec.mask != "causal":
             continue
         source = codegen.render(spec)
         signature = lambda name: re.search(rf"def {name}\(\n    # pointers\n    (.*)\n", source).group(1)  # noqa: E731
+        assert "chunked_bwd_dgc_kernel" not in source
+        if planner.fused_dq_dk(spec):
+            fused += 1
+            dqk = signature("chunked_bwd_dqk_kernel").split(", ")
+            assert {"h", "ds", "dq", "dk_part", "dg_part"} <= set(dqk) and not {"dgc", "dgq"} & set(dqk), (path, dqk)
+            assert "def chunked_bwd_dq_kernel" not in source and "def chunked_bwd_dk_kernel" not in source
+            continue
         dq, dk = signature("chunked_bwd_dq_kernel").split(", "), signature("chunked_bwd_dk_kernel").split(", ")
         assert {"h", "ds", "dgc"} <= set(dq), (path, dq)
         assert "dgc" in dk and "h" not in dk, (path, dk)
-        assert "chunked_bwd_dgc_kernel" not in source
+    assert fused == 1
 
 
 def test_hooks_of_every_rule_and_decay():
@@ -266,7 +278,8 @@ def test_hooks_of_every_rule_and_decay():
         "decay_grads/none.jinja", "decay_grads/constant.jinja", "decay_grads/token.jinja"}
     for path in chunked:
         text = path.read_text()
-        for macro in ("query_terms(decay)", "output_terms(decay, kf, dg_out, dg_dtype)", "transform_terms(decay)"):
+        for macro in ("query_terms(decay, kept=False)", "output_terms(decay, kf, dg_out, dg_dtype, kept=False)",
+                      "transform_terms(decay)"):
             assert f"{{% macro {macro} -%}}" in text, (path.name, macro)
     assert (hooks.rule_hook("delta").dg_out_dtype, hooks.rule_hook("additive").dg_out_dtype) == (
         "tl.float32", "dg.dtype.element_ty")

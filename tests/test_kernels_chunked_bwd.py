@@ -249,7 +249,10 @@ def test_decay_gradient_not_asked_for(kernel_backward, monkeypatch, name):
     the other gradients equal those of a call that asks for dg too, and the additive rule's dq and dk
     steps launch without the decay gradient's terms (DG False)."""
     op, calls = kernel_backward(SPECS[name])
-    launched = spy_launches(monkeypatch, codegen.load_module(op.spec), ("chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"))
+    # step 4's kernels: the delta rules' one (planner.fused_dq_dk), or the dq and dk steps
+    step4 = (("chunked_bwd_dqk_kernel",) if planner.fused_dq_dk(op.spec)
+             else ("chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"))
+    launched = spy_launches(monkeypatch, codegen.load_module(op.spec), step4)
     inputs = random_inputs(op.spec, Shape(batch=2, q_len=37, heads=2, head_dim=16, value_dim=24))
     inputs = {n: (t.float() if t.is_floating_point() else t) for n, t in inputs.items()}
     do = torch.randn(inputs["v"].shape, generator=torch.Generator().manual_seed(1))
@@ -265,8 +268,9 @@ def test_decay_gradient_not_asked_for(kernel_backward, monkeypatch, name):
     for n, t in grads[True].items():
         if n != "g":
             assert rel_error(grads[False][n], t) == 0.0, n
+    # the additive rule's without the decay gradient's terms; the delta rule's UT step needs them either way
     delta = op.spec.rule.ut_transform
-    assert [kw["DG"] for _, _, kw in launched] == [True, True, delta, delta]
+    assert [kw["DG"] for _, _, kw in launched] == [True] * len(step4) + [delta] * len(step4)
 
 
 @pytest.mark.parametrize("name", ["linear_transformer", "retnet", "gated_deltanet"])

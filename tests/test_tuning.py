@@ -80,10 +80,14 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=128,
-        bwd_dk_BV=128, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
-    # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV)
+        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=64,
+        bwd_dk_BV=64, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
+    # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV); step 4
+    # as one kernel (planner.fused_dq_dk: gated_deltanet above) by 64 at the dq step's knobs, and past 128
+    # feature lanes at eight warps
     assert (default(call, spec=KDA).bwd_dk_BV, default(call, spec=MAMBA2).bwd_dq_BV) == (128, 32)
+    wide = linear_call(K=256, V=256)
+    assert (default(wide).bwd_dq_warps, default(wide, spec=KDA).bwd_dq_warps) == (8, 4)
     # vector decay and additive rules: the UT / keys step at four warps too; fp32: four warps, 32 lanes
     assert default(call, spec=KDA).prepare_warps == 4
     # vector decay: W, U0 and the keys as a kernel of their own at four warps, the backward's UT
@@ -273,13 +277,18 @@ def test_the_backward_steps_take_their_own_warps(name, monkeypatch):
     base = planner.ChunkedLaunch(*ints)
     other = dataclasses.replace(base, bwd_warps=2, bwd_dq_warps=8, bwd_dk_warps=4)
     local = "chunked_bwd_dv_kernel" if planner.dv_after_states(op.spec) else "chunked_bwd_du_local_kernel"
-    kernels = [local, "chunked_bwd_states_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"]
+    # step 4 in one kernel at bwd_dq_warps (planner.fused_dq_dk), or its dq and dk steps
+    step4 = (["chunked_bwd_dqk_kernel"] if planner.fused_dq_dk(op.spec)
+             else ["chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel"])
+    kernels = [local, "chunked_bwd_states_kernel", *step4]
     launches = spy_launches(monkeypatch, module, kernels)
     want = linear_grads(module, inputs, form, base)
     launches.clear()
     got = linear_grads(module, inputs, form, other)
     warps = {name: kw["num_warps"] for name, _, kw in launches}
-    assert warps == {local: 2, "chunked_bwd_states_kernel": 2, "chunked_bwd_dq_kernel": 8, "chunked_bwd_dk_kernel": 4}, warps
+    expected = {local: 2, "chunked_bwd_states_kernel": 2, "chunked_bwd_dq_kernel": 8, "chunked_bwd_dk_kernel": 4,
+                "chunked_bwd_dqk_kernel": 8}
+    assert warps == {k: expected[k] for k in kernels}, warps
     assert all(rel_error(g, w) < 1e-5 for g, w in zip(got, want))
 
 
@@ -324,13 +333,14 @@ def test_the_backward_state_pass_takes_value_blocks_of_its_own(name, monkeypatch
                            initial_state=False)
     form, ints = kernel_launch(op, inputs)
     base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_states_BV=32)
-    spied = spy_launches(monkeypatch, module, ("chunked_bwd_states_kernel", "chunked_bwd_dq_kernel"))
+    step4 = "chunked_bwd_dqk_kernel" if planner.fused_dq_dk(op.spec) else "chunked_bwd_dq_kernel"
+    spied = spy_launches(monkeypatch, module, ("chunked_bwd_states_kernel", step4))
     want = linear_grads(module, inputs, form, base)
     spied.clear()
     got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_states_BV=16))
     # (grid[:2]: the additive rule's pass has an axis of segments too, one here)
     assert [(k, grid[:2], kw["BV"]) for k, grid, kw in spied] == [("chunked_bwd_states_kernel", (1, 2), 16),
-                                                             ("chunked_bwd_dq_kernel", (2,), 32)]
+                                                             (step4, (2,), 32)]
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
 
 
@@ -347,13 +357,14 @@ def test_the_backward_steps_take_value_blocks_of_their_own(name, monkeypatch):
     form, ints = kernel_launch(op, inputs)
     base = dataclasses.replace(planner.ChunkedLaunch(*ints), BV=32, bwd_dq_BV=32, bwd_dk_BV=32, bwd_wy_BV=32)
     kernels = ("chunked_bwd_du_local_kernel", "chunked_bwd_dv_kernel", "chunked_bwd_dq_kernel", "chunked_bwd_dk_kernel",
-               "chunked_bwd_wy_kernel")
+               "chunked_bwd_dqk_kernel", "chunked_bwd_wy_kernel")
     spied = spy_launches(monkeypatch, module, tuple(k for k in kernels if hasattr(module, k)))
     want = linear_grads(module, inputs, form, base)
     spied.clear()
     got = linear_grads(module, inputs, form, dataclasses.replace(base, bwd_dq_BV=16, bwd_dk_BV=64, bwd_wy_BV=16))
+    # (step 4 in one kernel, planner.fused_dq_dk: at bwd_dq_BV)
     blocks = {"chunked_bwd_du_local_kernel": 32, "chunked_bwd_dv_kernel": 32, "chunked_bwd_dq_kernel": 16, "chunked_bwd_dk_kernel": 64,
-              "chunked_bwd_wy_kernel": 16}
+              "chunked_bwd_dqk_kernel": 16, "chunked_bwd_wy_kernel": 16}
     assert [(k, kw["BV"]) for k, _, kw in spied] == [(k, blocks[k]) for k in kernels if hasattr(module, k)]
     assert all(rel_error(a, b) < 1e-6 for a, b in zip(got, want))
 
