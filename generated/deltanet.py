@@ -1379,8 +1379,13 @@ def chunked_bwd_dqk_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: the products of both sides (the queries, keys and decays are loaded after this loop,
-    # which does not read them: they would hold registers through it); [BT, BF] dU h_c^T
+    # [BT, BK] the raw queries and keys, as loaded: issued before the value loop, whose
+    # loads and products hide theirs (their features are computed after it; gated_deltanet bf16 B4 T8192 H16 K = V = 128
+    # on the H100: this step 1103 -> 999 us, 979 at three stages)
+    b_q_raw = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_k_raw = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+
+    # by value blocks: the products of both sides; [BT, BF] dU h_c^T
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
@@ -1408,12 +1413,12 @@ def chunked_bwd_dqk_kernel(
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q_raw.to(tl.float32)
     b_q_phi = b_q
     b_q_rn = tl.rsqrt(tl.sum(b_q_phi * b_q_phi, 1) + 1e-06)
     b_q_hat = b_q_phi * b_q_rn[:, None]
     b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k_raw.to(tl.float32)
     b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-06)[:, None]
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
     b_dq = b_dqh
@@ -1609,14 +1614,17 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     del qg
     st = st._replace(w=None, kr=None, gc=None)
     # step 4 in one kernel (planner.fused_dq_dk): dq, step 4's dk̂ and the UT transform's dW = -dU
-    # h_c^T for step 5, at the launch's bwd_dq_BV and bwd_dq_warps
+    # h_c^T for step 5, at the launch's bwd_dq_BV and bwd_dq_warps; three pipeline stages for bf16 inputs (gated_deltanet
+    # B4 T8192 H16 K = V = 128 on the H100: 999 -> 979 us; 1103 -> 1065 without the raw tiles first), two for the
+    # others, whose float32 tiles of h_c and dS take twice the shared memory
     dq = torch.empty_like(q)
     dw = torch.empty(B, T, H, F, **tiles)
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = None
     chunked_bwd_dqk_kernel[(st.n_slots * H,)](
         q, k, g, omega, do, st.u, st.h, ds, du, dw, dq, dk_part, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps),
+        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps,
+                                                                   num_stages=3 if q.dtype == torch.bfloat16 else 2),
     )
     st = st._replace(h=None)
     # nor dS and U past step 4
