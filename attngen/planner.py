@@ -1051,8 +1051,9 @@ def fused_dq_dk(spec: Spec) -> bool:
     loads once (and keeps the decay gradient's query and chunk terms in registers). The delta rules with no
     or a scalar decay, without a normalizer or stored features (the cases measured): bf16 B4 T8192 H16 K = V
     = 128 on the H100, step 4 1433 -> 1091 us for gated_deltanet and 889 -> 796 for deltanet at four warps
-    and 64 value lanes (BENCHMARKS.md 2026-12-06, fourth run). Vector decay's pair sums by blocks hold more
-    registers on each side: kda keeps its two kernels."""
+    and 64 value lanes, then 979 us for gated_deltanet with its raw tiles loaded before its value loop
+    (BENCHMARKS.md 2026-12-06, fourth run). Vector decay's pair sums by blocks hold more registers on each
+    side: kda keeps its two kernels (not measured fused)."""
     return (spec.is_linear and spec.rule.ut_transform and spec.decay in ("none", "scalar")
             and spec.normalize != "sum" and not stored_grad_features(spec))
 
