@@ -1478,8 +1478,9 @@ def chunked_bwd_dqk_kernel(
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, DG: tl.constexpr,
 ):
     # step 4, one program per chunk slot and head: the queries' side of the gradients through the output,
-    # dO h_c^T and dP = dO U^T -> dq, and the keys' side, U dS^T and dP^T = U dO^T -> step 4's shares of dk̂ and of the
-    # decay gradient; dW = -dU h_c^T, the UT transform's gradient of W, for step 5
+    # dO h_c^T and dP = dO U^T -> dq, and the keys' side, U dS^T and dP^T = U dO^T -> step 4's shares of dk̂
+    # and of the decay gradient;
+    # dW = -dU h_c^T, the UT transform's gradient of W, for step 5
     i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
