@@ -555,7 +555,8 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # linear_transformer).
     # Step 4 in one kernel (fused_dq_dk) by 64 lanes at four warps: gated_deltanet 1091 us against 1832 by
     # 128, 1135 by 32, 1568 at eight warps by 64; deltanet 796 against 870, 886, 1198 (bf16 B4 T8192 H16 K
-    # = V = 128 on the H100, BENCHMARKS.md 2026-12-06, fourth run).
+    # = V = 128 on the H100, BENCHMARKS.md 2026-12-06, fourth run; before its raw tiles moved ahead of its loop,
+    # after which the H100 search took 32 lanes with other knobs: the lanes alone not measured since).
     # Past 128 feature lanes it takes eight warps (its three [BT, 256] float32 accumulators: 1580 B spilled at
     # four, 108 at eight; CPU ptxas, bench/compile_time.py --h100 --bwd --D 256).
     bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = BV
