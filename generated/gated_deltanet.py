@@ -1785,12 +1785,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # before step 4 allocates (the backward's peak: bench/peak_memory.py)
     del qg
     st = st._replace(w=None, kr=None, gc=None)
-    # step 4 in one kernel (planner.fused_dq_dk): dq, step 4's dk̂ and decay gradient and the UT transform's dW = -dU
-    # h_c^T for step 5, at the launch's bwd_dq_BV and bwd_dq_warps; three pipeline stages for bf16 inputs (gated_deltanet
-    # B4 T8192 H16 K = V = 128 on the H100: 999 -> 979 us; 1103 -> 1065 without the raw tiles first), two for the
-    # others, whose float32 tiles of h_c and dS take twice the shared memory
+    # step 4: dq, and the UT transform's dW = -dU h_c^T for step 5
     dq = torch.empty_like(q)
     dw = torch.empty(B, T, H, F, **tiles)
+    # in one kernel (planner.fused_dq_dk) with step 4's dk̂ and decay gradient, at the launch's bwd_dq_BV and
+    # bwd_dq_warps; three pipeline stages for bf16 inputs (gated_deltanet B4 T8192 H16 K = V = 128 on the H100: 999 ->
+    # 979 us; 1103 -> 1065 without the raw tiles first), two for the others, whose float32 tiles of h_c and dS take
+    # twice the shared memory
     dk_part = torch.empty(B, T, H, F, **f32)
     dg_part = torch.empty(g.shape, **f32)
     chunked_bwd_dqk_kernel[(st.n_slots * H,)](

@@ -2306,11 +2306,11 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # before step 4 allocates (the backward's peak: bench/peak_memory.py)
     del qg
     st = st._replace(w=None, kr=None, gc=None)
-    # step 4a: dq, the decay gradient's query terms; 4b: step 4's dk̂ and decay gradient
+    # step 4: dq, and the UT transform's dW = -dU h_c^T for step 5
     dq = torch.empty_like(q)
-    dgq = torch.empty(g.shape, **f32)
-    # and the UT transform's dW = -dU h_c^T for step 5
     dw = torch.empty(B, T, H, F, **tiles)
+    # step 4a: dq, the decay gradient's query terms; 4b: step 4's dk̂ and decay gradient
+    dgq = torch.empty(g.shape, **f32)
     # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, for 4b
     dgc = torch.empty(st.n_slots, H, F, **f32)
     chunked_bwd_dq_kernel[(st.n_slots * H,)](
