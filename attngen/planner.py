@@ -333,6 +333,7 @@ class ChunkedLaunch(Launch):
     output_warps: int = knob("fwd", "warps", (2, 4, 8))  # warps of the output pass
     maxnreg: int = knob("fwd", "registers", (128, 255), backward=True)  # registers per thread (every chunked kernel)
     segments: int = knob("fwd", "segments", (0, 1, 4, 8, 16), backward=True)  # the sequential passes' segments per sequence, at most (kernel_lib.chunked_state_segments; 0: the policy, 1: none)
+    output_in_states: int = knob("fwd", "flag", (0, 1))  # the outputs computed by the forward's state pass, no output pass (planner.output_in_states)
     bwd_chunk: int = knob("bwd", "chunk", KERNEL_CHUNKS)  # tokens per chunk of the backward
     bwd_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dU (or dv: dv_after_states) step and state-gradient pass
     bwd_dq_warps: int = knob("bwd", "warps", (2, 4, 8))  # warps of the backward's dq step (chunked_bwd_dq_kernel)
@@ -350,7 +351,7 @@ class ChunkedLaunch(Launch):
              ("bwd_dq_BV", "bwd_dq_warps"), ("bwd_dk_BV", "bwd_dk_warps"), ("bwd_wy_BV", "bwd_wy_warps"))
     # Knobs added since tables were first written, and the knob whose value an entry without them takes (the
     # launch it was timed with): bwd_warps launched the dq and dk steps too; segments 0 is the policy they ran with
-    INHERITED = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps", "segments": 0}
+    INHERITED = {"bwd_dq_warps": "bwd_warps", "bwd_dk_warps": "bwd_warps", "segments": 0, "output_in_states": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,15 +459,18 @@ def pipeline_stages(stage_bytes: int) -> int:
     return max(1, min(3, PIPELINE_BYTES // stage_bytes))
 
 
-def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.dtype) -> int:
+def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.dtype, outputs: bool = False) -> int:
     """The tiles one chunk of the state pass loads: with the delta rule W, the keys transposed and U0,
     else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
-    in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32."""
+    in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32. outputs: the pass computes
+    the outputs too (output_in_states) and loads q [chunk, BF] in the input dtype."""
     tile = 2 if dtype == torch.bfloat16 else 4
     if spec.rule.ut_transform:
         size = chunk * (2 * BF + BV) * tile
     else:
         size = chunk * (BF * tile + BV * dtype.itemsize)
+    if outputs:
+        size += chunk * BF * dtype.itemsize
     return size + (BF * 4 if spec.decay == "vector" else 0)
 
 
@@ -573,10 +577,13 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # linear_transformer 3.676 -> 1.628 and 7.896 -> 5.852, gla 5.678 -> 1.477 and 12.242 -> 8.003 (16
     # tokens: 1.641), kda 8.349 -> 2.318 and 17.888 -> 11.851, performer 7.968 -> 5.457 and 19.883 -> 17.281.
     chunk = 32 if dtype == torch.bfloat16 and BF > 128 else DEFAULT_CHUNK
+    # The outputs in the state pass (output_in_states) are off by default: the knob is there for a launch or a
+    # search to take, and not yet timed on a GPU (its tiles compile for sm_90 without spills at 64 value lanes
+    # and eight warps: 255 registers, 128 KiB of shared memory at three stages; bench/compile_time.py --h100)
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=chunk, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
-        maxnreg=MAXNREG, segments=0,
+        maxnreg=MAXNREG, segments=0, output_in_states=0,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
         bwd_dq_warps=bwd_dq_warps,
@@ -649,6 +656,11 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if keys_in_passes(spec):
         # no prepare step (keys_in_passes): its warps move no kernel, and a search does not try them
         launch = dataclasses.replace(launch, prepare_warps=4)
+    if not output_in_states(spec):
+        launch = dataclasses.replace(launch, output_in_states=0)
+    elif launch.output_in_states:
+        # no output pass: its knobs move no kernel (held at the states pass's, which a search moves)
+        output_BV, launch = states_BV, dataclasses.replace(launch, output_warps=launch.states_warps)
     return fit_stages(spec, call, dtype, dataclasses.replace(
         launch, chunk=fwd_chunk, BV=min(launch.BV, V), states_BV=min(states_BV, V),
         output_BV=min(output_BV, V), bwd_states_BV=min(bwd_states_BV, V), bwd_dq_BV=min(launch.bwd_dq_BV, V),
@@ -674,10 +686,12 @@ def fit_stages(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunch
     """A launch's pipeline stages held to the shared memory its state passes' tiles take at its
     chunks and value blocks (pipeline_stages)."""
     BF = lanes(call.feature_dim)
-    stages = lambda chunk: pipeline_stages(chunked_stage_bytes(spec, chunk, BF, launch.states_BV, dtype))  # noqa: E731
+    stages = lambda chunk, outputs=False: pipeline_stages(  # noqa: E731
+        chunked_stage_bytes(spec, chunk, BF, launch.states_BV, dtype, outputs))
     ds_stages = pipeline_stages(bwd_states_stage_bytes(spec, launch.bwd_chunk, BF, launch.bwd_states_BV, dtype))
     return dataclasses.replace(
-        launch, stages=min(launch.stages, stages(launch.chunk)), bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
+        launch, stages=min(launch.stages, stages(launch.chunk, bool(launch.output_in_states))),
+        bwd_stages=min(launch.bwd_stages, stages(launch.bwd_chunk)),
         bwd_ds_stages=min(launch.bwd_ds_stages, ds_stages))
 
 
@@ -955,6 +969,7 @@ class KernelSpec:
     stored_grad_features: bool      # the backward's dq and dk steps read them too (stored_grad_features)
     keys_in_passes: bool            # the additive rule's state passes read each chunk's keys from k, raw, the decay on
                                     # their dots' other side: no keys step (keys_in_passes)
+    output_in_states: bool          # the forward's state pass can compute the outputs (output_in_states), as a launch asks
     states_decay_ahead: bool        # the forward's state pass loads each chunk's Γ_C an iteration ahead (states_decay_ahead)
     dv_after_states: bool           # the additive rule's backward: the state-gradient pass reads q, then a dv step
                                     # reads its dS (dv_after_states)
@@ -1020,6 +1035,17 @@ def keys_in_passes(spec: Spec) -> bool:
     return (spec.is_linear and spec.mask != "bidirectional" and not spec.rule.ut_transform
             and spec.decay in ("none", "scalar", "constant") and spec.feature_map == "identity"
             and spec.qk_norm == "none" and spec.normalize == "none")
+
+
+def output_in_states(spec: Spec) -> bool:
+    """Whether the forward's state pass can compute the outputs as it walks the chunks (a launch's
+    output_in_states asks it): O = (Q ⊙ Γ) S_c + P U of each chunk from its start state S_c in registers,
+    rather than storing every S_c for a chunk-parallel output pass to read back. The chunk-start states
+    are the forward's largest traffic (B4 T8192 H16 K = V = 128 bf16: 268 MB written and read again,
+    against 134 MB for each of q, k, v and o); the pass then also reads q and computes each chunk's
+    scores, on its B·H·V/BV programs rather than the output pass's one per chunk. The specs of
+    keys_in_passes (the pass loads each chunk's raw keys and decays already: the scores need only q)."""
+    return keys_in_passes(spec)
 
 
 def dv_after_states(spec: Spec) -> bool:
@@ -1095,6 +1121,7 @@ def kernel_spec(spec: Spec) -> KernelSpec:
         ut_inverse=ut_inverse(spec), chunked_fwd_steps=step_names(forward, "chunked_"),
         chunked_bwd_steps=step_names(backward, "chunked_bwd_"), stored_features=stored_features(spec),
         stored_grad_features=stored_grad_features(spec), keys_in_passes=keys_in_passes(spec),
+        output_in_states=output_in_states(spec),
         states_decay_ahead=states_decay_ahead(spec), dv_after_states=dv_after_states(spec),
         rule_hook=hooks.rule_hook(spec.update) if spec.is_linear else None, decay_hook=hooks.decay_hook(spec.decay),
         feature_hook=hooks.feature_hook(feature),
@@ -1136,6 +1163,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     states = ("chunked_states_kernel", "sequential over chunks: the chunk-start states"
               + (", the written values U = U0 - W S" if delta else "")
               + (" (each chunk's keys from k, its decays from g, in its loop)" if in_passes else "") + segments)
+    fwd_states = (states[0], states[1] + ("; where the launch's output_in_states is 1, the outputs O = (Q ⊙ Γ) S_c + P U "
+                                          "from each chunk's start state in registers, no states stored and no output pass"
+                                          if output_in_states(spec) else ""))
     stored = " (the keys' features as the keys step stored them)" if stored_features(spec) else ""
     # vector decay's output pass: the chunks within DECAY_SPAN, then the others by blocks in a kernel of their own
     vector = spec.decay == "vector"
@@ -1143,7 +1173,7 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     blocks = (("chunked_output_blocks_kernel", "chunk-parallel: the other chunks, by 16-token blocks"),) if vector else ()
     output = ("chunked_output_kernel", "chunk-parallel: (Q ⊙ Γ) S + P U" + stored
               + (in_span + " in every feature (P one dot)" if vector else ""))
-    forward = (*prepare, states, output, *blocks)
+    forward = (*prepare, fwd_states, output, *blocks)
     if delta and spec.decay == "constant":
         return forward, ()  # its gradients come from the PyTorch chunked form
     if delta:

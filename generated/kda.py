@@ -1237,7 +1237,7 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments "  # fwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments output_in_states "  # fwd
     "bwd_chunk bwd_warps bwd_dq_warps bwd_dk_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 

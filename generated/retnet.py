@@ -464,21 +464,23 @@ def recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do,
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+    q, o, k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
     # dims
     T, S, SEG, NE, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    x_scale, f_scale,
+    x_scale, f_scale, scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr, ENDS: tl.constexpr, SPLIT: tl.constexpr,
-    QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr,
+    QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr, OUTPUTS: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, each chunk's
     # keys from k, its decays from g, in the loop (planner.keys_in_passes)
     # and segment (axis 2): the chunks [c0, c1) of SEG, kernel_lib.chunked_state_segments. ENDS: the first of two
     # launches, each segment's end state from zeros (E into he [N, NE, H, F, V] float32; the segment's decay D, a product of Γ_C, into hd [N, NE, H, F]); the second starts
     # a segment from the initial state and the segments before it (S <- D S + E) and stores its states
+    # OUTPUTS (planner.output_in_states): the second launch computes each chunk's outputs O = (Q ⊙ Γ) S_c + P U
+    # from its start state S_c in registers, and stores no states (no output pass runs)
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -502,6 +504,8 @@ def chunked_states_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
     b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
+    # [BT, BT] token s may reach token t of the same chunk: s <= t
+    m_causal = o_i[:, None] >= o_i[None, :]
 
     # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
     # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
@@ -527,7 +531,7 @@ def chunked_states_kernel(
     b_dseg = tl.full([BF], 1.0, tl.float32)
 
     for i_c in range(c0, c1):
-        if not ENDS:
+        if not ENDS and not OUTPUTS:
             # the chunk-start state, for the output pass: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
             tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
@@ -548,6 +552,15 @@ def chunked_states_kernel(
         b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
         # [BT, BV] the additive rule writes the values
         b_u = tl.load(v + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        if OUTPUTS and not ENDS:
+            # [BT, BK] the queries; P [BT, BT] the decayed causal scores; the outputs from S_c (rounded to the
+            # dots' dtype as the output pass reads the stored states)
+            b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
+            b_P = chunked_dot(b_q, b_kt, DOT_PRECISION) * tl.exp(tl.where(m_causal, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
+            # [BT, BF] the queries read the chunk-start state through Γ_t
+            b_qg = b_q * b_gam[:, None]
+            b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_h, DOT_PRECISION))
+            tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + K^T (diag(Γ_C/Γ) U)
         b_h = chunked_dot(b_kt, b_u * b_gam_rest[:, None], DOT_PRECISION, b_h * b_gam_C)
         if ENDS:
@@ -652,7 +665,7 @@ def chunked_dims(q, v, omega):
 # list of ints in this order: attngen's planner decides them (planner.ChunkedLaunch: a tuned table's
 # or its defaults, and why) and the launchers below only read them.
 ChunkedLaunch = collections.namedtuple("ChunkedLaunch", (
-    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments "  # fwd
+    "chunk BV prepare_warps wu_warps states_BV states_warps stages output_BV output_warps maxnreg segments output_in_states "  # fwd
     "bwd_chunk bwd_warps bwd_dq_warps bwd_dk_warps bwd_wy_warps bwd_wu_warps bwd_states_BV bwd_dq_BV bwd_dk_BV bwd_wy_BV bwd_stages bwd_ds_stages"  # bwd
 ))
 
@@ -707,7 +720,7 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None, h_dtype=torch.float32, ai=None):
+                   state_indices=None, h_dtype=torch.float32, ai=None, o=None, scale=None):
     """The sequential pass, which reads each chunk's keys and decays itself (no keys step: kr and gc
     are None) -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
@@ -715,7 +728,9 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
-    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward)."""
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).
+    o: the forward's outputs like v, which the pass computes as it goes (at `scale`; the launch's
+    output_in_states), storing no chunk-start states (h is empty)."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -724,7 +739,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     meta = dict(BT=chunk, BK=BK, BF=BF, IS_VARLEN=cu_seqlens is not None, DOT_PRECISION=chunked_dot_precision(q.dtype))
     # no keys step: the state pass reads each chunk's keys and decays in its loop (planner.keys_in_passes)
     ai = w = u = kr = gc = None
-    h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
+    h = torch.empty(n_slots if o is None else 0, H, F, V, device=q.device, dtype=h_dtype)
     hz = None
     indexed = state_indices is not None
     if indexed:
@@ -738,11 +753,11 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
     hez = None
-    args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
-            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
+    args = (q, o, k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5, scale)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
                 SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages,
-                QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype))
+                QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), OUTPUTS=o is not None)
     if G > 1:
         # each segment's end state E and decay D, then the states from them
         chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
@@ -759,6 +774,12 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
+    if launch.output_in_states:
+        # the state pass computes the outputs (planner.output_in_states): no chunk-start states, no output pass
+        o = torch.empty_like(v)
+        st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
+                            output_final_state, state_indices=state_indices, o=o, scale=scale)
+        return o, st.ht, None
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     saved = None

@@ -3,13 +3,15 @@ float64 interpreter: outputs and final states, through Triton's interpreter on t
 (DESIGN.md §7). Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen, kernel_lib
+from attngen import codegen, kernel_lib, planner, tuning
 from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, tolerance
 from attngen.reference import random_features, reference
 
@@ -31,6 +33,17 @@ def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", c
     rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
     assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)
+
+
+def force_launch(monkeypatch, **knobs):
+    """Every chunked call's launch (the table's or the defaults') with these knobs over it, as fit for the call."""
+    real = tuning._remembered
+
+    def forced(spec, family, call, dtype, *rest):
+        launch = dataclasses.replace(planner.ChunkedLaunch(*real(spec, family, call, dtype, *rest)), **knobs)
+        return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype, launch).ints())
+
+    monkeypatch.setattr(tuning, "_remembered", forced)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -220,6 +233,7 @@ def test_stored_states_dtype_keeps_outputs(name, monkeypatch):
     decay's chunks within planner.DECAY_SPAN included."""
     op = attngen.load(SPECS[name])
     module = codegen.load_module(op.spec)
+    force_launch(monkeypatch, output_in_states=0)  # the states stored, for the output pass
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=45, heads=2, head_dim=8, value_dim=6,
                                           cu_seqlens=(0, 13, 45)))
     inputs = {n: (t.bfloat16() if n in ("q", "k", "v") else t) for n, t in inputs.items()}
@@ -230,6 +244,63 @@ def test_stored_states_dtype_keeps_outputs(name, monkeypatch):
     monkeypatch.setattr(module, "chunked_states_dtype", lambda dtype: torch.float32)
     o32, ht32 = run()
     assert torch.equal(o, o32) and torch.equal(ht, ht32)
+
+
+OUTPUTS_IN_STATES = [name for name in SPECS if planner.output_in_states(attngen.load_spec(SPECS[name]))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["dense", "packed", "segments", "cache"])
+@pytest.mark.parametrize("name", OUTPUTS_IN_STATES)
+def test_outputs_in_the_state_pass(name, case, dtype, monkeypatch):
+    """The forward's outputs computed by its state pass (the launch's output_in_states, planner.output_in_states)
+    are the same bits as the output pass's from the stored states, and so is the final state: dense
+    sequences with a partial last chunk, packed ones, the pass by segments (a first launch of their end
+    states), a serving cache's slots; no output pass and no chunk-start states where it is on."""
+    assert OUTPUTS_IN_STATES, "no shipped spec takes the outputs in the state pass"
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    packed = case == "packed"
+    shape = Shape(batch=1 if packed else 2, q_len=100, heads=2, head_dim=8, value_dim=6,
+                  cu_seqlens=(0, 13, 45, 100) if packed else None)
+    inputs = random_inputs(op.spec, shape, seed=5)
+    inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    if case == "segments":
+        monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", 1)
+    launched = []
+    for kernel in ("chunked_states_kernel", "chunked_output_kernel"):
+        real_kernel = getattr(module, kernel)
+
+        class Spy:
+            def __getitem__(self, grid, real_kernel=real_kernel, kernel=kernel):
+                launched.append((kernel, grid))
+                return real_kernel[grid]
+
+        monkeypatch.setattr(module, kernel, Spy())
+    monkeypatch.setattr(module, "CHUNKED_OUTPUT_KERNELS", (module.chunked_output_kernel,))
+    results = {}
+    for on in (0, 1):
+        force_launch(monkeypatch, output_in_states=on)
+        launched.clear()
+        if case == "cache":
+            # two requests in slots 2 and 0 of four, from the inputs' initial states
+            cache = attngen.StateCache(op, 4, shape.heads, shape.head_dim, shape.value_dim)
+            slots = torch.tensor([2, 0])
+            cache.state[slots] = inputs["initial_state"].float()
+            call = {n: t for n, t in inputs.items() if n != "initial_state"}
+            o = op(**call, form="chunked", chunk_size=16, cache=cache, slots=slots)
+            results[on] = (o[0] if isinstance(o, tuple) else o, cache.state.clone())
+        else:
+            results[on] = op(**inputs, output_final_state=True, form="chunked", chunk_size=16)
+        kernels = [k for k, _ in launched]
+        assert ("chunked_output_kernel" in kernels) == (not on), kernels
+        if case == "segments":
+            assert [grid[2] for k, grid in launched if k == "chunked_states_kernel"] == [6, 7], launched
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b), f"{name} {case}: {rel_error(b.float(), a.float()):.2e}"
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16),
+                   random_inputs(op.spec, shape, seed=5), dtype, with_grads=False)
+    assert all(e <= t for _, e, t in rows), rows
 
 
 SEGMENTED = ["linear_transformer", "performer", "mamba2", "retnet", "gla"]

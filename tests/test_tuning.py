@@ -80,7 +80,7 @@ def test_defaults_are_the_measured_launches():
     call = linear_call()
     assert default(call) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=2, wu_warps=0, states_BV=64, states_warps=4, stages=3, output_BV=128,
-        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=64,
+        output_warps=4, maxnreg=255, segments=0, output_in_states=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=2, bwd_states_BV=32, bwd_dq_BV=64,
         bwd_dk_BV=64, bwd_wy_BV=128, bwd_stages=3, bwd_ds_stages=3)
     # bf16 delta rules: the backward's dq, dk and UT steps by 128 value lanes (the additive rules' by BV); step 4
     # as one kernel (planner.fused_dq_dk: gated_deltanet above) by 64 at the dq step's knobs, and past 128
@@ -107,7 +107,7 @@ def test_defaults_are_the_measured_launches():
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
-        output_warps=4, maxnreg=255, segments=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
+        output_warps=4, maxnreg=255, segments=0, output_in_states=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
         bwd_dk_BV=32, bwd_wy_BV=32, bwd_stages=3, bwd_ds_stages=2)
     assert default(linear_call(K=256, V=64), torch.float32).chunk == 32
     # vector decay's output pass at 256 feature lanes in fp32: 331,776 B of shared memory at 32 tokens
@@ -214,6 +214,18 @@ def test_fit_holds_a_launch_to_the_call():
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, one_stage).states_BV == 64
     assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, dataclasses.replace(one_stage, stages=3)).states_BV == 32
     assert planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, one_stage).states_BV == 32
+    # the outputs in the state pass: only where the spec can (planner.output_in_states); there, no output pass
+    # runs, so its knobs are held at the state pass's, and the pass's stages make room for q's tiles
+    fused = dataclasses.replace(wide, output_in_states=1, states_BV=64, states_warps=8, output_BV=128,
+                                output_warps=4, stages=3)
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, fused).output_in_states == 0
+    assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, fused).output_in_states == 0
+    on = planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, fused)
+    assert (on.output_in_states, on.output_BV, on.output_warps) == (1, 64, 8)
+    assert planner.chunked_stage_bytes(MAMBA2, 64, 128, 64, torch.bfloat16, outputs=True) == 64 * (128 * 2 + 64 * 2 + 128 * 2)
+    assert planner.fit_chunked(MAMBA2, linear_call(), torch.float32, fused).stages == planner.pipeline_stages(
+        planner.chunked_stage_bytes(MAMBA2, 64, 128, 64, torch.float32, outputs=True)) == 2
+    assert planner.fit_chunked(MAMBA2, linear_call(), torch.float32, dataclasses.replace(fused, output_in_states=0)).stages == 3
 
 
 def linear_grads(module, inputs, form, launch) -> list:

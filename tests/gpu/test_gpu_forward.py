@@ -133,3 +133,48 @@ def test_normalizer_small_heads_fp32(name, d, final):
     _assert_close("o", o, ref_o, lp_o, torch.float32)
     if final:
         _assert_close("final state", s, ref_s, lp_s, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["dense", "segments", "packed"])
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["mamba2", "retnet"])
+def test_outputs_in_the_state_pass(name, dname, case, monkeypatch):
+    """The forward's outputs from its state pass (output_in_states 1, planner.output_in_states) and from the
+    output pass over stored states (0), each at 32, 64 and 128 value lanes a program: outputs and final
+    state within tolerance of the oracle, and of each other to the dtype's rounding; dense sequences with a
+    partial last chunk, the pass by four segments, packed sequences."""
+    import dataclasses
+
+    from attngen import planner, tuning
+    from attngen.testing import LOWP_FACTOR, LOWP_FLOOR
+
+    op = attngen.load(SHIPPED[name])
+    dtype = DTYPES[dname]
+    cu = VARLEN if case == "packed" else None
+    shape = Shape(batch=1 if cu else 2, q_len=VARLEN[-1] if cu else 1000, heads=2, head_dim=128, value_dim=128,
+                  cu_seqlens=cu)
+    inputs = random_inputs(op.spec, shape, seed=3)
+    ref_o, ref_s = reference(op.spec, **inputs, output_final_state=True)
+    low = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
+    lp_o, lp_s = reference(op.spec, **low, output_final_state=True, dtype=dtype)
+    gpu = {n: t.cuda() for n, t in low.items()}
+    real = tuning._remembered
+    results = {}
+    for on in (0, 1):
+        for lanes, warps in ((32, 4), (64, 8), (128, 8)):
+            knobs = dict(output_in_states=on, states_BV=lanes, states_warps=warps, segments=4 if case == "segments" else 1)
+
+            def forced(spec, family, call, dtype_, *rest, knobs=knobs):
+                launch = dataclasses.replace(planner.ChunkedLaunch(*real(spec, family, call, dtype_, *rest)), **knobs)
+                return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype_, launch).ints())
+
+            monkeypatch.setattr(tuning, "_remembered", forced)
+            o, s = op(**gpu, output_final_state=True, form="chunked")
+            what = f"output_in_states={on}, {lanes} lanes"
+            _assert_close(f"o ({what})", o, ref_o, lp_o, dtype)
+            _assert_close(f"final state ({what})", s, ref_s, lp_s, dtype)
+            results[on, lanes] = o
+    tol = LOWP_FACTOR * LOWP_FLOOR[dtype]
+    for lanes in (32, 64, 128):
+        err = rel_error(results[1, lanes].float(), results[0, lanes].float())
+        assert err <= tol, f"{lanes} lanes: output_in_states 1 against 0: {err:.2e} > {tol:.2e}"
