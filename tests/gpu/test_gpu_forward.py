@@ -135,14 +135,14 @@ def test_normalizer_small_heads_fp32(name, d, final):
         _assert_close("final state", s, ref_s, lp_s, torch.float32)
 
 
-@pytest.mark.parametrize("case", ["dense", "segments", "packed"])
+@pytest.mark.parametrize("case", ["dense", "segments", "packed", "cache"])
 @pytest.mark.parametrize("dname", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["mamba2", "retnet"])
 def test_outputs_in_the_state_pass(name, dname, case, monkeypatch):
     """The forward's outputs from its state pass (output_in_states 1, planner.output_in_states) and from the
     output pass over stored states (0), each at 32, 64 and 128 value lanes a program: outputs and final
     state within tolerance of the oracle, and of each other to the dtype's rounding; dense sequences with a
-    partial last chunk, the pass by four segments, packed sequences."""
+    partial last chunk, the pass by four segments, packed sequences, a serving cache's slots (2 and 0 of 4)."""
     import dataclasses
 
     from attngen import planner, tuning
@@ -169,7 +169,14 @@ def test_outputs_in_the_state_pass(name, dname, case, monkeypatch):
                 return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype_, launch).ints())
 
             monkeypatch.setattr(tuning, "_remembered", forced)
-            o, s = op(**gpu, output_final_state=True, form="chunked")
+            if case == "cache":
+                cache = attngen.StateCache(op, 4, shape.heads, shape.head_dim, shape.value_dim, device=gpu["q"].device)
+                slots = torch.tensor([2, 0], device=gpu["q"].device)
+                cache.state[slots] = gpu["initial_state"].float()
+                o = op(**{n: t for n, t in gpu.items() if n != "initial_state"}, form="chunked", cache=cache, slots=slots)
+                o, s = (o[0] if isinstance(o, tuple) else o), cache.state[slots]
+            else:
+                o, s = op(**gpu, output_final_state=True, form="chunked")
             what = f"output_in_states={on}, {lanes} lanes"
             _assert_close(f"o ({what})", o, ref_o, lp_o, dtype)
             _assert_close(f"final state ({what})", s, ref_s, lp_s, dtype)
