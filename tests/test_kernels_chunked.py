@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import attngen
 from attngen import codegen, kernel_lib, planner, tuning
-from attngen.testing import FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, tolerance
+from attngen.testing import (FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, spy_launches,
+                             tolerance)
 from attngen.reference import random_features, reference
 
 import specs
@@ -267,16 +268,7 @@ def test_outputs_in_the_state_pass(name, case, dtype, monkeypatch):
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     if case == "segments":
         monkeypatch.setattr(kernel_lib, "SEGMENT_MIN_CHUNKS", 1)
-    launched = []
-    for kernel in ("chunked_states_kernel", "chunked_output_kernel"):
-        real_kernel = getattr(module, kernel)
-
-        class Spy:
-            def __getitem__(self, grid, real_kernel=real_kernel, kernel=kernel):
-                launched.append((kernel, grid))
-                return real_kernel[grid]
-
-        monkeypatch.setattr(module, kernel, Spy())
+    launched = spy_launches(monkeypatch, module, ("chunked_states_kernel", "chunked_output_kernel"))
     monkeypatch.setattr(module, "CHUNKED_OUTPUT_KERNELS", (module.chunked_output_kernel,))
     results = {}
     for on in (0, 1):
@@ -292,10 +284,11 @@ def test_outputs_in_the_state_pass(name, case, dtype, monkeypatch):
             results[on] = (o[0] if isinstance(o, tuple) else o, cache.state.clone())
         else:
             results[on] = op(**inputs, output_final_state=True, form="chunked", chunk_size=16)
-        kernels = [k for k, _ in launched]
+        kernels = [k for k, _, _ in launched]
         assert ("chunked_output_kernel" in kernels) == (not on), kernels
-        if case == "segments":
-            assert [grid[2] for k, grid in launched if k == "chunked_states_kernel"] == [6, 7], launched
+        # the state pass's launches (the segments' ends first), each asked for the outputs or not
+        states = [(grid[2], kw["OUTPUTS"]) for k, grid, kw in launched if k == "chunked_states_kernel"]
+        assert states == ([(6, bool(on)), (7, bool(on))] if case == "segments" else [(1, bool(on))]), states
     for a, b in zip(results[0], results[1]):
         assert torch.equal(a, b), f"{name} {case}: {rel_error(b.float(), a.float()):.2e}"
     rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16),
