@@ -577,13 +577,20 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # linear_transformer 3.676 -> 1.628 and 7.896 -> 5.852, gla 5.678 -> 1.477 and 12.242 -> 8.003 (16
     # tokens: 1.641), kda 8.349 -> 2.318 and 17.888 -> 11.851, performer 7.968 -> 5.457 and 19.883 -> 17.281.
     chunk = 32 if dtype == torch.bfloat16 and BF > 128 else DEFAULT_CHUNK
-    # The outputs in the state pass (output_in_states) are off by default: the knob is there for a launch or a
-    # search to take, and not yet timed on a GPU (its tiles compile for sm_90 without spills at 64 value lanes
-    # and eight warps: 255 registers, 128 KiB of shared memory at three stages; bench/compile_time.py --h100)
+    # The outputs in the state pass (output_in_states) for bf16 up to 128 feature lanes, the pass (and the
+    # backward's recomputation) then by 32 value lanes at four warps. B4 T8192 H16 K = V = 128 bf16 on the H100
+    # (bench/probe_launch.py, BENCHMARKS.md 2026-12-06, fifth run), forward ms: retnet 0.503 (the two passes,
+    # the table's launch) -> 0.487 (the outputs in the pass at the table's 64 lanes and eight warps) -> 0.426 (32
+    # lanes, four warps), mamba2 0.510 -> 0.480 -> 0.432; B1 T32768 retnet 0.615 -> 0.597 -> 0.568, mamba2
+    # 0.618 -> 0.588 -> 0.570; forward + backward unchanged or faster. At 64 lanes and four warps it spills
+    # (176 B, ptxas). Not timed for other dtypes or widths: off there.
+    outputs = int(output_in_states(spec) and dtype == torch.bfloat16 and BF <= 128)
+    if outputs:
+        states_BV, states_warps = 32, 4
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=chunk, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
-        maxnreg=MAXNREG, segments=0, output_in_states=0,
+        maxnreg=MAXNREG, segments=0, output_in_states=outputs,
         bwd_chunk=bwd_chunk,
         bwd_warps=4,
         bwd_dq_warps=bwd_dq_warps,

@@ -105,6 +105,14 @@ def test_defaults_are_the_measured_launches():
         assert (held.bwd_chunk, held.bwd_ds_stages) == (32, 3)
     assert default(call, torch.float32, spec=MAMBA2).bwd_chunk == 32
     assert default(linear_call(K=256, V=256), spec=MAMBA2).bwd_chunk == 32
+    # the outputs in the state pass for bf16 up to 128 feature lanes (Mamba2, RetNet), the pass by 32 value
+    # lanes at four warps (the output pass's knobs held at those); not timed elsewhere: off
+    for spec in (MAMBA2, RETNET):
+        on = default(call, spec=spec)
+        assert (on.output_in_states, on.states_BV, on.states_warps, on.output_BV, on.output_warps) == (1, 32, 4, 32, 4)
+        assert default(call, torch.float32, spec=spec).output_in_states == 0
+        assert default(linear_call(K=256, V=256), spec=spec).output_in_states == 0
+    assert default(call).output_in_states == default(call, spec=LINEAR_ELU_SUM).output_in_states == 0
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
         output_warps=4, maxnreg=255, segments=0, output_in_states=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
