@@ -98,6 +98,19 @@ def kernel_launch(op, inputs: dict, form: str | None = None, chunk_size: int | N
     return launch_of(op.spec, op.choose(call, form, chunk_size), call, inputs["q"].device, inputs["q"].dtype)
 
 
+def force_launch(monkeypatch, **knobs) -> None:
+    """From now on, every chunked call's launch (its table entry's or the planner's default) with these
+    knobs set over it, then fitted to the call as the planner fits any launch."""
+    from . import planner, tuning
+    real = tuning._remembered
+
+    def forced(spec, family, call, dtype, *rest):
+        launch = dataclasses.replace(planner.ChunkedLaunch(*real(spec, family, call, dtype, *rest)), **knobs)
+        return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype, launch).ints())
+
+    monkeypatch.setattr(tuning, "_remembered", forced)
+
+
 def spy_launches(monkeypatch, module, kernels) -> list:
     """Each launch of the generated module's `kernels` from now on, in order, as (kernel, grid,
     keyword arguments); the launches still run."""

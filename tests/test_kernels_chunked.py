@@ -3,17 +3,15 @@ float64 interpreter: outputs and final states, through Triton's interpreter on t
 (DESIGN.md §7). Shapes are small: the interpreter is slow."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attngen
-from attngen import codegen, kernel_lib, planner, tuning
-from attngen.testing import (FLOAT64_RTOL, Shape, compare, kernel_launch, random_inputs, rel_error, spy_launches,
-                             tolerance)
+from attngen import codegen, kernel_lib, planner
+from attngen.testing import (FLOAT64_RTOL, Shape, compare, force_launch, kernel_launch, random_inputs, rel_error,
+                             spy_launches, tolerance)
 from attngen.reference import random_features, reference
 
 import specs
@@ -34,17 +32,6 @@ def check(name: str, shape: Shape, dtype=torch.float32, form: str = "chunked", c
     rows = compare(op.spec, fn, inputs, dtype, with_grads=False)
     failures = [f"{n}: error {e:.3g} > tolerance {t:.3g}" for n, e, t in rows if not e <= t]
     assert not failures, f"{name} {form}(chunk={chunk}) {dtype} on {shape}:\n" + "\n".join(failures)
-
-
-def force_launch(monkeypatch, **knobs):
-    """Every chunked call's launch (the table's or the defaults') with these knobs over it, as fit for the call."""
-    real = tuning._remembered
-
-    def forced(spec, family, call, dtype, *rest):
-        launch = dataclasses.replace(planner.ChunkedLaunch(*real(spec, family, call, dtype, *rest)), **knobs)
-        return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype, launch).ints())
-
-    monkeypatch.setattr(tuning, "_remembered", forced)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -10,7 +10,8 @@ import torch
 
 import attngen
 from attngen.reference import reference
-from attngen.testing import Shape, compare, random_inputs, rel_error, tolerance, vector_gates_across_span
+from attngen.testing import (LOWP_FACTOR, LOWP_FLOOR, Shape, compare, force_launch, random_inputs, rel_error, tolerance,
+                             vector_gates_across_span)
 
 from specs import SHIPPED, shipped
 
@@ -143,11 +144,6 @@ def test_outputs_in_the_state_pass(name, dname, case, monkeypatch):
     output pass over stored states (0), each at 32, 64 and 128 value lanes a program: outputs and final
     state within tolerance of the oracle, and of each other to the dtype's rounding; dense sequences with a
     partial last chunk, the pass by four segments, packed sequences, a serving cache's slots (2 and 0 of 4)."""
-    import dataclasses
-
-    from attngen import planner, tuning
-    from attngen.testing import LOWP_FACTOR, LOWP_FLOOR
-
     op = attngen.load(SHIPPED[name])
     dtype = DTYPES[dname]
     cu = VARLEN if case == "packed" else None
@@ -158,17 +154,11 @@ def test_outputs_in_the_state_pass(name, dname, case, monkeypatch):
     low = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
     lp_o, lp_s = reference(op.spec, **low, output_final_state=True, dtype=dtype)
     gpu = {n: t.cuda() for n, t in low.items()}
-    real = tuning._remembered
     results = {}
     for on in (0, 1):
         for lanes, warps in ((32, 4), (64, 8), (128, 8)):
-            knobs = dict(output_in_states=on, states_BV=lanes, states_warps=warps, segments=4 if case == "segments" else 1)
-
-            def forced(spec, family, call, dtype_, *rest, knobs=knobs):
-                launch = dataclasses.replace(planner.ChunkedLaunch(*real(spec, family, call, dtype_, *rest)), **knobs)
-                return tuple(planner.fit_chunked(spec, tuning.Call(*call), dtype_, launch).ints())
-
-            monkeypatch.setattr(tuning, "_remembered", forced)
+            force_launch(monkeypatch, output_in_states=on, states_BV=lanes, states_warps=warps,
+                         segments=4 if case == "segments" else 1)
             if case == "cache":
                 cache = attngen.StateCache(op, 4, shape.heads, shape.head_dim, shape.value_dim, device=gpu["q"].device)
                 slots = torch.tensor([2, 0], device=gpu["q"].device)
