@@ -771,15 +771,15 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
     None; the cache, with state_indices: see chunked_states), `saved`: what chunked_bwd reuses (with
     for_backward: nothing, the additive rule) or None."""
-    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
-    BK, BF, _ = chunked_blocks(K, F, launch)
-    BV, chunk = launch.output_BV, launch.chunk
     if launch.output_in_states:
         # the state pass computes the outputs (planner.output_in_states): no chunk-start states, no output pass
         o = torch.empty_like(v)
-        st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
+        st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, launch.chunk, launch.stages, launch,
                             output_final_state, state_indices=state_indices, o=o, scale=scale)
         return o, st.ht, None
+    B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
+    BK, BF, _ = chunked_blocks(K, F, launch)
+    BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     saved = None
