@@ -556,7 +556,8 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     pass beside the default (fitted; those `attngen tune --seed` gives, the table's entry being searched
     again, and its nearest bucket's):
     one that is faster is the best so far, so that a search never ends on a launch slower than the entry
-    it replaces or the one the runtime would take without it."""
+    it replaces or the one the runtime would take without it. After the first pass each seed's own knobs of
+    the pass are also timed over the best of the passes before."""
     cls = type(default)
     best, trials = default, []
     default_ms, best_ms, best_of = {}, {}, {}
@@ -586,10 +587,17 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         default_ms[pass_] = trial(default, pass_, f"{pass_} [default]")
         best_ms[pass_] = default_ms[pass_] if best == default else trial(best, pass_, f"{pass_} [best so far]")
         seen = {best, default}
-        for seed in dict.fromkeys(fit(seed) for seed in seeds):
+        fitted = tuple(dict.fromkeys(fit(seed) for seed in seeds))
+        # after the first pass, each seed's own knobs of this pass over the best so far too: a seed wins a
+        # pass as a whole, which would drop the knobs the passes before found (retnet B1 T32768 on the H100:
+        # the forward's outputs in the state pass, 0.558 ms against the seed's 0.597, lost to the seed's
+        # backward knobs, BENCHMARKS.md 2026-12-06, sixth run)
+        own = cls.knobs(pass_) if i > 0 else ()
+        crossed = tuple(fit(dataclasses.replace(best, **{n: getattr(seed, n) for n in own})) for seed in fitted if own)
+        for seed, label in [(s, "seed") for s in fitted] + [(c, f"seed's {pass_} knobs") for c in crossed]:
             if seed not in seen:
                 seen.add(seed)
-                ms = trial(seed, pass_, f"{pass_} [seed]")
+                ms = trial(seed, pass_, f"{pass_} [{label}]")
                 if ms < best_ms[pass_]:
                     best, best_ms[pass_] = seed, ms
         values_of = lambda name: cls.__dataclass_fields__[name].metadata["search"]  # noqa: E731

@@ -1012,6 +1012,32 @@ def test_a_seed_faster_than_the_search_is_its_best(seed_ms, expected_chunk):
     assert sum(t.launch == fit(seed) for t in found.trials) == 1
 
 
+def test_a_seeds_backward_knobs_are_timed_over_the_forwards_best():
+    """A seed that wins the backward pass as a whole would drop the forward knobs the forward's pass found
+    (chunk, a knob the backward's pass does not move): its backward knobs are also timed over the
+    forward's best, and that launch is the search's best. The backward's gain needs two of its knobs at
+    once, which no single move reaches."""
+    call = linear_call()
+    fit = lambda launch: planner.fit_chunked(GDN, call, torch.bfloat16, launch)  # noqa: E731
+    start = default(call)
+    assert (start.chunk, start.bwd_stages, start.bwd_ds_stages) == (64, 3, 3)
+    seed = dataclasses.replace(start, bwd_stages=1, bwd_ds_stages=2)
+
+    def measure(launch, pass_):
+        fwd = 1.0 if launch.chunk == 32 else 2.0
+        return fwd if pass_ == "fwd" else fwd + (0.5 if (launch.bwd_stages, launch.bwd_ds_stages) == (1, 2) else 3.0)
+
+    lines = []
+    found = tuning.search(start, fit, measure, report=lines.append, seeds=(seed,))
+    crossed = fit(dataclasses.replace(start, chunk=32, bwd_stages=1, bwd_ds_stages=2))
+    assert found.best == crossed and found.best_ms == {"fwd": 1.0, "bwd": 1.5}
+    assert any("bwd [seed's bwd knobs] chunk=32 bwd_stages=1 bwd_ds_stages=2: 1.500 ms" in line for line in lines)
+    assert sum(t.launch == crossed and t.pass_ == "bwd" for t in found.trials) == 1
+    # one pass alone: no seed is crossed
+    only = tuning.search(start, fit, measure, ("fwd",), report=lambda line: None, seeds=(seed,))
+    assert crossed not in {t.launch for t in only.trials}
+
+
 def test_tune_seeds_the_search_with_the_entry_it_replaces_and_the_nearest(monkeypatch, tmp_path):
     spec = attngen.load_spec(SPECS / "mamba2.yaml")
     shape = Shape(batch=1, q_len=40, heads=2, head_dim=16, value_dim=16)
