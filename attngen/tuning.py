@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 import warnings
@@ -514,6 +515,7 @@ class Trial:
     pass_: str
     ms: float | None
     error: str | None = None
+    again: bool = False  # a timing again of a launch timed before (CONFIRM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,6 +532,12 @@ class Found:
 # A search's best launch replaces the default only this much faster (relative) in the last pass: the
 # same launch timed in two runs of do_bench on the H200 differs by up to about 1%.
 MIN_GAIN = 0.02
+
+# Times the last pass's best launch and the default are each timed again, in turn, before the best
+# replaces the default: a timing can be far off (the same launch 1.759 and 2.132 ms forward + backward
+# in one process on an H100, BENCHMARKS.md 2026-12-06, sixth run), and each stands at the median of its
+# timings, so no single one decides.
+CONFIRM = 2
 
 # What a CUDA error that leaves the process's context unusable says: every kernel after it fails
 # (an illegal address from a miscompiled launch; Triton 3.6 at bf16 wgmma dots, BENCHMARKS.md).
@@ -563,12 +571,12 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
     default_ms, best_ms, best_of = {}, {}, {}
     end = time.monotonic() + budget_s if budget_s is not None else math.inf
 
-    def trial(launch: planner.Launch, pass_: str, label: str) -> float:
+    def trial(launch: planner.Launch, pass_: str, label: str, again: bool = False) -> float:
         try:
-            t = Trial(launch, pass_, float(measure(launch, pass_)))
+            t = Trial(launch, pass_, float(measure(launch, pass_)), again=again)
         except Exception as e:  # noqa: BLE001 -- any failure of a candidate skips it, reported
             lines = str(e).strip().splitlines()
-            t = Trial(launch, pass_, None, f"{type(e).__name__}: {lines[0][:160] if lines else ''}")
+            t = Trial(launch, pass_, None, f"{type(e).__name__}: {lines[0][:160] if lines else ''}", again)
             if any(word in str(e) for word in CONTEXT_LOST):
                 report(f"  {label} {_changed(default, launch)}: {t.error}")
                 raise RuntimeError(
@@ -639,6 +647,14 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
                (f"{best_ms[pass_]:.3f} ms" if best_ms[pass_] < math.inf else "no launch ran"))
         best_of[pass_] = best
     last = passes[-1]
+    if best != default and best_ms[last] < math.inf:
+        times = {best: [best_ms[last]], default: [default_ms[last]]}
+        for _ in range(CONFIRM):
+            for launch in (default, best):
+                times[launch].append(trial(launch, last, f"{last} [again]", again=True))
+        best_ms[last], default_ms[last] = statistics.median(times[best]), statistics.median(times[default])
+        report(f"  {last}: medians of {CONFIRM + 1} timings, the best {best_ms[last]:.3f} ms, "
+               f"the default {default_ms[last]:.3f} ms")
     if best != default and not best_ms[last] < (1 - MIN_GAIN) * default_ms[last]:
         # the last pass's time (forward + backward with a backward) decides: a forward's gain that
         # costs the training step more, or a gain within the timing noise, does not stand
