@@ -1,6 +1,8 @@
 """Try chunked launches the planner holds back (GPU): per spec and variant, the oracle check of
 tests/gpu (outputs and every gradient at B1 T1000 H2 D128 against the float64 interpreter), the
-agreement with the first variant at the timed shape, and the forward + backward time and kernels.
+agreement with the first variant at the timed shape, and the forward + backward time and kernels (with the
+sum of the kernels' times: the GPU's busy time, which a host stall between launches does not change, where the
+step's wall time can: one launch timed 1.759 and 2.132 ms in one process, its three longest kernels the same; BENCHMARKS.md).
 
     python bench/probe_launch.py --specs gated_deltanet,mamba2 --variants "bwd_chunk=32;bwd_chunk=64" \
         [--B 4 --T 8192 --H 16 --D 128] [--dtype bfloat16]
@@ -209,8 +211,12 @@ def main() -> int:
                     fwd_ms = bench.do_bench_timer(False)(lambda: output(op(**big)))
                 run = bench.step(lambda: output(op(**big)), True, big)
                 ms = bench.do_bench_timer(True)(run)
-                kernels = ", ".join(f"{short_kernel(k)} {us:.0f}" for k, us in bench.profile(run)[:args.kernels])
-                line = f"{name:<20s} {label:<34s} fwd {fwd_ms:6.3f}  fwd+bwd {ms:8.3f} ms  oracle(err/tol) {worst:<14s} vs first {agree:<8s} | {kernels}"
+                prof = bench.profile(run)
+                kernels = ", ".join(f"{short_kernel(k)} {us:.0f}" for k, us in prof[:args.kernels])
+                # the GPU's time in the step's kernels, which host gaps between them do not change
+                busy = sum(us for _, us in prof) / 1e3
+                line = (f"{name:<20s} {label:<34s} fwd {fwd_ms:6.3f}  fwd+bwd {ms:8.3f} ms (kernels {busy:6.3f})  "
+                        f"oracle(err/tol) {worst:<14s} vs first {agree:<8s} | {kernels}")
                 print(f"   launch {launch}", flush=True)
             except Exception as e:  # noqa: BLE001 -- a failing variant is a row saying why
                 line = f"{name:<20s} {label:<34s} failed: {type(e).__name__}: {str(e)[:200]}"
@@ -218,7 +224,8 @@ def main() -> int:
             table.append(line)
         if bidirectional:
             module.bidirectional_launch = real
-    print("\n".join(["", "spec / variant / fwd, fwd+bwd ms / worst oracle error over tolerance / largest rel diff from the first variant"] + table))
+    print("\n".join(["", "spec / variant / fwd, fwd+bwd ms (the sum of its kernels' times) / worst oracle error over tolerance / "
+                          "largest rel diff from the first variant"] + table))
     return 0
 
 
