@@ -533,7 +533,7 @@ class Found:
 # same launch timed in two runs of do_bench on the H200 differs by up to about 1%.
 MIN_GAIN = 0.02
 
-# Times the last pass's best launch and the default are each timed again, in turn, before the best
+# How many more times the last pass's best launch and the default are each timed, in turn, before the best
 # replaces the default: a timing can be far off (the same launch 1.759 and 2.132 ms forward + backward
 # in one process on an H100, BENCHMARKS.md 2026-12-06, sixth run), and each stands at the median of its
 # timings, so no single one decides.
