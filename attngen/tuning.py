@@ -667,9 +667,10 @@ def search(default: planner.Launch, fit: Callable[[planner.Launch], planner.Laun
         # the last pass's time (forward + backward with a backward) decides, or a pass before it (the
         # forward alone: a prefill's) MIN_GAIN faster at no cost to the last: a forward's gain that costs
         # the training step more, or gains within the timing noise, do not stand
+        before = (f", nor {MIN_GAIN:.0%} faster in {' or '.join(passes[:-1])} and as fast in {last}"
+                  if passes[:-1] else "")
         report(f"  {last}: the best launch ({best_ms[last]:.3f} ms) is not {MIN_GAIN:.0%} faster than the "
-               f"default ({default_ms[last]:.3f} ms), nor {MIN_GAIN:.0%} faster in "
-               f"{' or '.join(passes[:-1]) or 'a pass before it'} and as fast in {last}: the default stands")
+               f"default ({default_ms[last]:.3f} ms){before}: the default stands")
         best, best_ms = default, dict(default_ms)
     finite = lambda d: {p: (ms if ms < math.inf else None) for p, ms in d.items()}  # noqa: E731
     return Found(best, tuple(trials), finite(default_ms), finite(best_ms))
