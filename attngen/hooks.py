@@ -494,8 +494,9 @@ class AdditiveRule:
         decay's diagonal D S + E."""
         return decay
 
-    def state_values(self) -> str:
-        """The forward state pass's values b_u [BT, BV] that the chunk writes into the state."""
+    def state_values(self, outputs: bool = False) -> str:
+        """The forward state pass's values b_u [BT, BV] that the chunk writes into the state (outputs: the pass
+        may compute the outputs, its OUTPUTS launch parameter; planner.output_in_states)."""
         return "# [BT, BV] the additive rule writes the values\n" + self.written_values()
 
     def written_values(self) -> str:
@@ -555,7 +556,10 @@ class DeltaRule(AdditiveRule):
     values_note: str = " (chunked_states_kernel's U)"
     released_before_output: str = ", w=None, ai=None"
 
-    def state_values(self) -> str:
+    def state_values(self, outputs: bool = False) -> str:
+        # U is stored for the output pass and the backward's steps; a launch with OUTPUTS (the outputs
+        # computed by this pass) has no reader of it: the backward computes its own
+        store = "if not ENDS and not OUTPUTS:" if outputs else "if not ENDS:"
         return ("# [BT, BF] W, as stored\n"
                 "b_w = tl.load(w + o_tok[:, None] * F + o_f[None, :], mask=m_t[:, None] & m_f[None, :], other=0.0)\n"
                 "# [BT, BV] the values the chunk's delta updates write: U = U0 - W S. U0 is subtracted from the\n"
@@ -563,8 +567,8 @@ class DeltaRule(AdditiveRule):
                 "# accumulator, it was a plain load in the loop that the dot waited on)\n"
                 "b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)\n"
                 "b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)\n"
-                "if not ENDS:\n"
-                "    tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)")
+                f"{store}\n"
+                "    tl.store(u + o_tok[:, None] * V + o_v[None, :], chunked_cast(b_u, u.dtype.element_ty, DOT_PRECISION), mask=m_tv)")
 
     def segments(self, decay):
         # a chunk maps its start state by A = Γ_C - (K ⊙ Γ_C/Γ)^T W (U = U0 - W S), a matrix

@@ -463,14 +463,15 @@ def chunked_stage_bytes(spec: Spec, chunk: int, BF: int, BV: int, dtype: torch.d
     """The tiles one chunk of the state pass loads: with the delta rule W, the keys transposed and U0,
     else the keys transposed and v; with vector decay also Γ_C [BF] float32. W, U0 and the keys are
     in the generated chunked_pass_dtype: bf16 for bf16 inputs, else float32. outputs: the pass computes
-    the outputs too (output_in_states) and loads q [chunk, BF] in the input dtype."""
+    the outputs too (output_in_states) and loads q [chunk, BF] in the input dtype (and with the delta
+    rule k too: its pass's keys are the stored K ⊙ Γ_C/Γ)."""
     tile = 2 if dtype == torch.bfloat16 else 4
     if spec.rule.ut_transform:
         size = chunk * (2 * BF + BV) * tile
     else:
         size = chunk * (BF * tile + BV * dtype.itemsize)
     if outputs:
-        size += chunk * BF * dtype.itemsize
+        size += chunk * BF * dtype.itemsize * (2 if spec.rule.ut_transform else 1)
     return size + (BF * 4 if spec.decay == "vector" else 0)
 
 
@@ -584,9 +585,15 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     # lanes, four warps), mamba2 0.510 -> 0.480 -> 0.432; B1 T32768 retnet 0.615 -> 0.597 -> 0.568, mamba2
     # 0.618 -> 0.588 -> 0.570; forward + backward unchanged or faster. At 64 lanes and four warps it spills
     # (176 B, ptxas). Not timed for other dtypes or widths: off there.
-    outputs = int(output_in_states(spec) and dtype == torch.bfloat16 and BF <= 128)
+    # The delta rules' (U = U0 - W S_c in the pass; BENCHMARKS.md 2026-12-06, eighth run, the same shapes): by 64
+    # lanes at four warps, deltanet 0.983 -> 0.918 ms forward at B4 T8192 and 1.342 -> 1.248 at B1 T32768 (forward +
+    # backward 3.817 -> 3.723 and 5.047 -> 4.896); by 32 lanes and by 64 at eight warps slower. With a decay the
+    # pass's own cumulative log decays and score ratios cost more than the output pass it replaces: gated_deltanet
+    # 1.044 -> 1.278 and 1.401 -> 1.527. So off there.
+    outputs = int(output_in_states(spec, dtype) and dtype == torch.bfloat16 and BF <= 128
+                  and (not spec.rule.ut_transform or spec.decay == "none"))
     if outputs:
-        states_BV, states_warps = 32, 4
+        states_BV, states_warps = (64, 4) if spec.rule.ut_transform else (32, 4)
     return fit_chunked(spec, call, dtype, ChunkedLaunch(
         chunk=chunk, BV=BV, prepare_warps=prepare_warps, wu_warps=wu_warps, states_BV=states_BV,
         states_warps=states_warps, stages=3, output_BV=output_BV, output_warps=output_warps,
@@ -663,7 +670,7 @@ def fit_chunked(spec: Spec, call: Call, dtype: torch.dtype, launch: ChunkedLaunc
     if keys_in_passes(spec):
         # no prepare step (keys_in_passes): its warps move no kernel, and a search does not try them
         launch = dataclasses.replace(launch, prepare_warps=4)
-    if not output_in_states(spec):
+    if not output_in_states(spec, dtype):
         launch = dataclasses.replace(launch, output_in_states=0)
     elif launch.output_in_states:
         # no output pass: its knobs move no kernel (held at the states pass's, which a search moves)
@@ -1044,15 +1051,26 @@ def keys_in_passes(spec: Spec) -> bool:
             and spec.qk_norm == "none" and spec.normalize == "none")
 
 
-def output_in_states(spec: Spec) -> bool:
+def output_in_states(spec: Spec, dtype: torch.dtype | None = None) -> bool:
     """Whether the forward's state pass can compute the outputs as it walks the chunks (a launch's
     output_in_states asks it): O = (Q ⊙ Γ) S_c + P U of each chunk from its start state S_c in registers,
     rather than storing every S_c for a chunk-parallel output pass to read back. The chunk-start states
     are the forward's largest traffic (B4 T8192 H16 K = V = 128 bf16: 268 MB written and read again,
     against 134 MB for each of q, k, v and o); the pass then also reads q and computes each chunk's
     scores, on its B·H·V/BV programs rather than the output pass's one per chunk. The specs of
-    keys_in_passes (the pass loads each chunk's raw keys and decays already: the scores need only q)."""
-    return keys_in_passes(spec)
+    keys_in_passes (the pass loads each chunk's raw keys and decays already: the scores need only q), and
+    the delta rules without vector decay or FAVOR+: their pass holds U = U0 - W S_c of each chunk (written
+    back for the output pass otherwise, 134 MB more each way at that shape) and loads q, k and the log
+    decays for the scores, featurized (an elementwise map, the l2 norm) as the output pass does. With a
+    dtype: whether a call of it can (the delta rules' for bf16 inputs only: float32 tiles of W, the keys,
+    q, k and U0 asked for 262,144 B of shared memory at 128 value lanes, above the H100's and H200's
+    232,448, and spilled 1.4 and 2.4 KB at 32 and 64; Triton 3.6's ptxas, bench/compile_time.py)."""
+    delta = (spec.is_linear and spec.mask != "bidirectional" and spec.rule.ut_transform
+             and spec.decay in ("none", "scalar", "constant") and spec.feature_map != "favor_plus"
+             and spec.normalize == "none")
+    if delta and dtype is not None:
+        return dtype == torch.bfloat16
+    return keys_in_passes(spec) or delta
 
 
 def dv_after_states(spec: Spec) -> bool:

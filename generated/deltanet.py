@@ -812,14 +812,15 @@ def chunked_wu_kernel(
 @triton.jit
 def chunked_states_kernel(
     # pointers
-    k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+    q, o, k, v, g, omega, w, kr, gc, h0, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
     # dims
     T, S, SEG, NE, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr, VS: tl.constexpr,
-    x_scale, f_scale,
+    x_scale, f_scale, scale,
     # meta
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     STATE_INDEXED: tl.constexpr, DOT_PRECISION: tl.constexpr, ENDS: tl.constexpr, SPLIT: tl.constexpr,
+    QK_GROUP: tl.constexpr, G_DTYPE: tl.constexpr, OUTPUTS: tl.constexpr,
 ):
     # one program per (value block, sequence x head): the sequential pass over the chunks, from
     # chunked_ut_kernel's W, U0 (U written over it), K ⊙ Γ_C/Γ
@@ -827,6 +828,8 @@ def chunked_states_kernel(
     # launches, each segment's end state from zeros (E into he [N, NE, H, F, V] float32; the segment's transition M [F, F], a product of the chunks',
     # into hd [N, NE, H, F, F] by the programs past the value blocks (hooks.TransitionSegments)); the second starts
     # a segment from the initial state and the segments before it (S <- M S + E) and stores its states
+    # OUTPUTS (planner.output_in_states): the second launch computes each chunk's outputs O = (Q ⊙ Γ) S_c + P U
+    # from its start state S_c in registers, and stores no states (no output pass runs)
     i_v, i_nh = tl.program_id(1), tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
     if IS_VARLEN:
@@ -849,6 +852,8 @@ def chunked_states_kernel(
     o_f = tl.arange(0, BF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_f, m_v = o_k < K, o_f < F, o_v < V
+    # [BT, BT] token s may reach token t of the same chunk: s <= t
+    m_causal = o_i[:, None] >= o_i[None, :]
 
     # the sequence's row of the state: its own, or its slot of a serving cache (read and written in
     # place); a row outside [0, S), a padding slot (-1), is neither read nor written. m_row_ok is a scalar:
@@ -876,7 +881,7 @@ def chunked_states_kernel(
         b_h = tl.where(o_f[:, None] == o_m[None, :], 1.0, 0.0)
 
     for i_c in range(c0, c1):
-        if not ENDS:
+        if not ENDS and not OUTPUTS:
             # the chunk-start state, for the output pass: [chunk slots, H, F, V]
             o_hc = ((boc + i_c) * H + i_h) * F * V
             tl.store(h + o_hc + o_f[:, None] * V + o_v[None, :], chunked_cast(b_h, h.dtype.element_ty, DOT_PRECISION), mask=m_state)
@@ -895,8 +900,20 @@ def chunked_states_kernel(
         # accumulator, it was a plain load in the loop that the dot waited on)
         b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
-        if not ENDS:
-            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+        if not ENDS and not OUTPUTS:
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], chunked_cast(b_u, u.dtype.element_ty, DOT_PRECISION), mask=m_tv)
+        if OUTPUTS and not ENDS:
+            # the outputs from S_c and U: the chunk's decays, its queries' and keys' features ([BT, BK] ->
+            # [BT, BF], and [BK, BT] -> [BF, BT] transposed by the load), P [BT, BT] the decayed causal scores
+            b_q = tl.load(q + (o_tok // QK_GROUP)[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-06)[:, None]
+            b_q = b_q * scale
+            b_kt = tl.load(k + (o_tok // QK_GROUP)[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0).to(tl.float32)
+            b_kt = b_kt * tl.rsqrt(tl.sum(b_kt * b_kt, 0) + 1e-06)[None, :]
+            b_P = tl.where(m_causal, chunked_dot(b_q, b_kt, DOT_PRECISION), 0.0)
+            b_qg = b_q
+            b_o = chunked_dot(b_P, b_u, DOT_PRECISION, chunked_dot(b_qg, b_h, DOT_PRECISION))
+            tl.store(o + o_tok[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h)
 
@@ -1046,14 +1063,17 @@ class ChunkedStates(NamedTuple):
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None, h_dtype=torch.float32, ai=None):
+                   state_indices=None, h_dtype=torch.float32, ai=None, o=None, scale=None):
     """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
-    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).    ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).
+    o: the forward's outputs like v, which the pass computes as it goes (at `scale`; the launch's
+    output_in_states), storing no chunk-start states (h is empty).
+    ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
     diagonal [chunk, chunk] blocks this call reads in place of the UT step's inverse."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -1079,7 +1099,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         # forward kept, ai.shape[-1] wide, at the backward's warps for them (bwd_wu_warps)
         warps = launch.bwd_wu_warps if kept else launch.wu_warps
         chunked_wu_kernel[(n_slots * H,)](*ut_args, AI_W=ai.shape[-1], num_warps=warps, **ut_meta)
-    h = torch.empty(n_slots, H, F, V, device=q.device, dtype=h_dtype)
+    h = torch.empty(n_slots if o is None else 0, H, F, V, device=q.device, dtype=h_dtype)
     hz = None
     indexed = state_indices is not None
     if indexed:
@@ -1093,10 +1113,11 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
     hez = None
-    args = (k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
-            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5)
+    args = (q, o, k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
+            T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5, scale)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
-                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages)
+                SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages,
+                QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), OUTPUTS=o is not None)
     if G > 1:
         # each segment's end state E and transition M (by programs of their own), then the states from them
         chunked_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.states_BV), G - 1)](*args, ENDS=True, **meta)
@@ -1113,6 +1134,13 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
     None; the cache, with state_indices: see chunked_states), `saved`: what chunked_bwd reuses (with
     for_backward, the rows of (I + A)^-1 where chunked_keeps_inverse) or None."""
+    if launch.output_in_states:
+        # the state pass computes the outputs (planner.output_in_states): no chunk-start states, no output pass
+        o = torch.empty_like(v)
+        st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, launch.chunk, launch.stages, launch,
+                            output_final_state, state_indices=state_indices, o=o, scale=scale)
+        saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None
+        return o, st.ht, saved
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk

@@ -1042,7 +1042,7 @@ def chunked_states_kernel(
         b_u0 = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
         b_u = b_u0 - chunked_dot(b_w, b_h, DOT_PRECISION)
         if not ENDS:
-            tl.store(u + o_tok[:, None] * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+            tl.store(u + o_tok[:, None] * V + o_v[None, :], chunked_cast(b_u, u.dtype.element_ty, DOT_PRECISION), mask=m_tv)
         # S <- Γ_C S + (K ⊙ Γ_C/Γ)^T U
         b_gam_C = tl.load(gc + ((boc + i_c) * H + i_h) * F + o_f, mask=m_f, other=0.0)
         b_h = chunked_dot(b_kt_rest, b_u, DOT_PRECISION, b_h * b_gam_C[:, None])
@@ -1303,7 +1303,8 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     With state_indices [N], initial_state is a serving cache [S, H, F, VS] float32 whose row
     state_indices[n] holds sequence n's state, read and written back in place (the final state
     returned is the cache; rows outside [0, S) are neither read nor written). h_dtype: the dtype
-    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).    ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
+    of the stored chunk-start states h (the forward's chunked_states_dtype; float32 for the backward).
+    ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
     diagonal [chunk, chunk] blocks this call reads in place of the UT step's inverse."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1

@@ -143,8 +143,9 @@ def _launches(module, fn: str) -> list[str]:
         kernels = ([m.group(1)] if m.group(1) else [k.__name__ for k in module.CHUNKED_OUTPUT_KERNELS] if m.group(2)
                    else _launches(module, "chunked_states"))
         for kernel in kernels:
-            # a step's two launches in a row (the state passes' segment ends, then the states) are one step
-            if not out or out[-1] != kernel:
+            # a step's two launches (the state passes' segment ends, then the states) are one step, and so is a
+            # step of both of chunked_fwd's branches (the outputs in the state pass, or an output pass after it)
+            if kernel not in out:
                 out.append(kernel)
     return out
 

@@ -21,6 +21,7 @@ from attngen.testing import Shape, bench_inputs, kernel_launch, random_inputs, r
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 GDN = attngen.load_spec(SPECS / "gated_deltanet.yaml")
+DELTANET = attngen.load_spec(SPECS / "deltanet.yaml")
 KDA = attngen.load_spec(SPECS / "kda.yaml")
 MAMBA2 = attngen.load_spec(SPECS / "mamba2.yaml")
 RETNET = attngen.load_spec(SPECS / "retnet.yaml")
@@ -113,6 +114,10 @@ def test_defaults_are_the_measured_launches():
         assert default(call, torch.float32, spec=spec).output_in_states == 0
         assert default(linear_call(K=256, V=256), spec=spec).output_in_states == 0
     assert default(call).output_in_states == default(call, spec=LINEAR_ELU_SUM).output_in_states == 0
+    # the delta rule without a decay by 64 lanes at four warps (measured faster; with a decay slower: off)
+    on = default(call, spec=DELTANET)
+    assert (on.output_in_states, on.states_BV, on.states_warps, on.output_BV, on.output_warps) == (1, 64, 4, 64, 4)
+    assert default(call, torch.float32, spec=DELTANET).output_in_states == 0
     assert default(call, torch.float32) == planner.ChunkedLaunch(
         chunk=64, BV=32, prepare_warps=4, wu_warps=0, states_BV=32, states_warps=4, stages=2, output_BV=32,
         output_warps=4, maxnreg=255, segments=0, output_in_states=0, bwd_chunk=32, bwd_warps=4, bwd_dq_warps=4, bwd_dk_warps=4, bwd_wy_warps=4, bwd_wu_warps=4, bwd_states_BV=32, bwd_dq_BV=32,
@@ -226,7 +231,10 @@ def test_fit_holds_a_launch_to_the_call():
     # runs, so its knobs are held at the state pass's, and the pass's stages make room for q's tiles
     fused = dataclasses.replace(wide, output_in_states=1, states_BV=64, states_warps=8, output_BV=128,
                                 output_warps=4, stages=3)
-    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, fused).output_in_states == 0
+    assert planner.fit_chunked(GDN, linear_call(), torch.bfloat16, fused).output_in_states == 1
+    # the delta rules' in bf16 only (float32 tiles past the shared memory), their pass loading q and k too
+    assert planner.fit_chunked(GDN, linear_call(), torch.float32, fused).output_in_states == 0
+    assert planner.chunked_stage_bytes(GDN, 32, 128, 64, torch.bfloat16, outputs=True) == 32 * (2 * 128 * 2 + 64 * 2 + 2 * 128 * 2)
     assert planner.fit_chunked(LINEAR_ELU_SUM, linear_call(), torch.bfloat16, fused).output_in_states == 0
     on = planner.fit_chunked(MAMBA2, linear_call(), torch.bfloat16, fused)
     assert (on.output_in_states, on.output_BV, on.output_warps) == (1, 64, 8)
