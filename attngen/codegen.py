@@ -7,6 +7,7 @@ the planner builds; per-call choices (varlen, initial state, ...) are tl.constex
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib.util
 import os
 import re
@@ -118,6 +119,11 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def cache_key(source: bytes) -> str:
+    """The cache's name for one rendering of a spec's module (a digest of its bytes)."""
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("ATTNGEN_CACHE", Path.home() / ".cache" / "attngen"))
 
@@ -170,10 +176,13 @@ def _module_path(spec: Spec) -> Path:
     if committed.exists() and committed.read_bytes() == source:
         return committed
     directory = cache_dir()
+    # a directory per spec and rendering: processes of two attngen versions sharing the cache (two
+    # environments at once) never overwrite each other's module between one's write and its import
+    rendering = cache_key(source)
     try:
-        path = compile_to(spec, directory / spec.hash)
+        path = compile_to(spec, directory / spec.hash / rendering)
     except OSError as error:
-        path = compile_to(spec, _fallback_cache(directory, error) / spec.hash)
+        path = compile_to(spec, _fallback_cache(directory, error) / spec.hash / rendering)
     if committed.exists() and committed not in _DIFFERING and _rendered_spec_hash(committed) == spec.hash:
         _DIFFERING.add(committed)
         warnings.warn(f"attngen: {committed} differs from a fresh rendering of spec {spec.name!r} "

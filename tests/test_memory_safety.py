@@ -162,12 +162,30 @@ def test_cache_file_that_is_not_utf8_is_rewritten(tmp_path, monkeypatch):
     garbage = b"\xff\xfe\xfa not a module \x80\n"
     monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(codegen, "REPO_GENERATED", tmp_path / "generated")
-    for path in (tmp_path / "cache" / spec.hash / "not_utf8.py", tmp_path / "generated" / "not_utf8.py"):
+    cached = tmp_path / "cache" / spec.hash / codegen.cache_key(codegen.render(spec).encode()) / "not_utf8.py"
+    for path in (cached, tmp_path / "generated" / "not_utf8.py"):
         path.parent.mkdir(parents=True)
         path.write_bytes(garbage)
     module = codegen.load_module(spec)
     assert module.SPEC_HASH == spec.hash
-    assert (tmp_path / "cache" / spec.hash / "not_utf8.py").read_bytes() == codegen.render(spec).encode()
+    assert cached.read_bytes() == codegen.render(spec).encode()
+
+
+def test_two_renderings_of_a_spec_keep_their_own_cache_files(tmp_path, monkeypatch):
+    """Two attngen versions sharing one cache directory (two environments at once) render one spec to
+    different bytes: each rendering has a file of its own, so one process cannot overwrite the other's
+    module between that one's write and its import (a process of each ran the same hypothesis specs at
+    once and one imported the other's kernels, whose signature it did not call)."""
+    spec = new_spec("two_versions")
+    monkeypatch.setenv("ATTNGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(codegen, "REPO_GENERATED", tmp_path / "generated")
+    ours = codegen._module_path(spec)
+    render = codegen.render
+    monkeypatch.setattr(codegen, "render", lambda s: render(s) + "# another attngen version's rendering\n")
+    theirs = codegen._module_path(spec)
+    assert ours != theirs and ours.parent.parent == theirs.parent.parent == tmp_path / "cache" / spec.hash
+    assert ours.read_bytes() == render(spec).encode()
+    assert theirs.read_bytes() == codegen.render(spec).encode()
 
 
 def unwritable_under_a_file(tmp_path: Path) -> Path:
