@@ -94,12 +94,13 @@ def _tidy(source: str) -> str:
     return "\n".join(lines).strip("\n") + "\n"
 
 
-def compile_to(spec: Spec, out_dir: Path) -> Path:
-    """Write out_dir/<name>.py unless it already holds this rendering; whatever else it holds
-    (an older rendering, bytes that are not UTF-8) is replaced."""
+def compile_to(spec: Spec, out_dir: Path, source: bytes | None = None) -> Path:
+    """Write out_dir/<name>.py unless it already holds this rendering (source: the spec's rendering,
+    where the caller has it); whatever else it holds (an older rendering, bytes that are not UTF-8) is
+    replaced."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{spec.name}.py"
-    source = render(spec).encode()
+    source = render(spec).encode() if source is None else source
     if not path.exists() or path.read_bytes() != source:
         write_atomic(path, source)
     return path
@@ -180,9 +181,9 @@ def _module_path(spec: Spec) -> Path:
     # environments at once) never overwrite each other's module between one's write and its import
     rendering = cache_key(source)
     try:
-        path = compile_to(spec, directory / spec.hash / rendering)
+        path = compile_to(spec, directory / spec.hash / rendering, source)
     except OSError as error:
-        path = compile_to(spec, _fallback_cache(directory, error) / spec.hash / rendering)
+        path = compile_to(spec, _fallback_cache(directory, error) / spec.hash / rendering, source)
     if committed.exists() and committed not in _DIFFERING and _rendered_spec_hash(committed) == spec.hash:
         _DIFFERING.add(committed)
         warnings.warn(f"attngen: {committed} differs from a fresh rendering of spec {spec.name!r} "
