@@ -2,7 +2,7 @@
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
     python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
-        [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR]
+        [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--module FILE]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -20,6 +20,12 @@ whose registers and spills say which tuned kernels spill (the launch is printed)
 H100 (80GB HBM3): its table's entries where it has them, else the H200 table's (a sibling GPU's,
 tuning.sibling_tables), else the planner's defaults. Each kernel's line
 ends with how many of its programs an sm_90 multiprocessor holds at once and what limits it.
+--loops lists each kernel's loops with the global loads in their bodies: those Triton's software
+pipeline copies ahead into shared memory (cp.async, or the copy engine's TMA) and those it left as
+plain loads, whose latency the loop waits on where their value is used; a tile (a vector load) among
+those is worth a look (the state-gradient pass's stored dU, added to a product that Triton folded into
+its accumulator, was one: BENCHMARKS.md 2026-12-06, ninth run). --module FILE compiles an edited
+rendering of the spec's generated module in place of its own (as bench/probe_launch.py --module).
 """
 from __future__ import annotations
 
@@ -81,6 +87,25 @@ def ptxas_info(ptxas: Path, ptx: Path) -> tuple[int | None, int | None]:
 SM90_SHARED, SM90_RESERVED, SM90_REGS, SM90_WARPS, SM90_PROGRAMS = 233472, 1024, 65536, 64, 32
 
 
+def loop_loads(ptx: str) -> list[tuple[int, int, int, int]]:
+    """Per loop of a kernel's PTX (a label LLVM marks as an inner loop's header, to the branch back to
+    it): its length in lines, its plain global loads, how many of those load a vector (a tile's
+    piece), and its asynchronous copies into shared memory (cp.async and bulk tensor copies)."""
+    lines, loops = ptx.splitlines(), []
+    for i, line in enumerate(lines):
+        header = re.match(r"^(\$L__BB\d+_\d+):\s+// =>This Inner Loop Header", line)
+        if not header:
+            continue
+        back = re.compile(r"bra(\.uni)?\s+" + re.escape(header.group(1)) + ";")
+        end = next((j for j in range(i + 1, len(lines)) if back.search(lines[j])), len(lines))
+        body = lines[i:end]
+        plain = [b for b in body if "ld.global" in b]
+        vector = [b for b in plain if re.search(r"ld\.global(\.\w+)*\.v[248]", b)]
+        copies = sum(bool(re.search(r"cp\.async\.(ca|cg)\.shared|cp\.async\.bulk\.tensor", b)) for b in body)
+        loops.append((end - i, len(plain), len(vector), copies))
+    return loops
+
+
 def programs_per_sm(shared: int, regs: int, warps: int) -> tuple[int, str]:
     """How many programs of a kernel an sm_90 multiprocessor holds at once, and what limits it
     (shared memory, registers, warps or the programs' cap): a kernel a few bytes past half a
@@ -110,6 +135,8 @@ def main():
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
     p.add_argument("--ptx", default=None, metavar="DIR", help="write each kernel's PTX (no debug sections) into DIR")
+    p.add_argument("--loops", action="store_true", help="each kernel's loops: their plain global loads and async copies")
+    p.add_argument("--module", default=None, metavar="FILE", help="an edited rendering of the spec's generated module")
     args = p.parse_args()
     if args.launch:
         # probe_launch's variants: knobs set over the fitted launch (planner.fit_chunked, patched there)
@@ -150,6 +177,12 @@ def main():
             return result
         tuning.choose = choose
 
+    if args.module:
+        # the edited module, imported before the op is made, under the name codegen.load_module gives the
+        # spec's rendering (bench/probe_launch.py's --module)
+        from attngen import codegen
+        spec = attngen.spec.load_spec(Path(args.spec))
+        codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D,
@@ -189,6 +222,9 @@ def main():
                 n, limit = programs_per_sm(md.shared, regs, md.num_warps)
                 info += f"  {n:>2} per SM ({limit})"
         print(f"{seconds:7.1f} s  {name:28s} warps {md.num_warps}  shared {md.shared:>7} B  {info}")
+        if args.loops and "ptx" in kernel.asm:
+            for size, plain, vector, copies in loop_loads(kernel.asm["ptx"]):
+                print(f"{'':11s}loop of {size} lines: {plain} plain global loads ({vector} of vectors), {copies} async copies")
 
 
 if __name__ == "__main__":
