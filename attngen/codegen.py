@@ -157,10 +157,21 @@ _MODULES: dict[str, ModuleType] = {}
 _MODULES_LOCK = threading.Lock()
 
 
+def module_name(spec: Spec) -> str:
+    """The import name of a spec's generated module (its name and hash)."""
+    return f"attngen_generated_{spec.name}_{spec.hash}"
+
+
+def load_edited_module(spec: Spec, path: Path) -> ModuleType:
+    """Import the file at path, an edited rendering of a spec's module, as that spec's module: ops made
+    after it run its kernels (bench/probe_launch.py and bench/compile_time.py, --module)."""
+    return _import(module_name(spec), Path(path).resolve())
+
+
 def load_module(spec: Spec) -> ModuleType:
     """A spec's generated module, imported on first use: the committed generated/<name>.py when
     it is this exact rendering, else a fresh rendering in the cache directory (Triton needs a file)."""
-    name = f"attngen_generated_{spec.name}_{spec.hash}"
+    name = module_name(spec)
     with _MODULES_LOCK:
         if name not in _MODULES:
             _MODULES[name] = sys.modules[name] if name in sys.modules else _import(name, _module_path(spec))

@@ -178,11 +178,10 @@ def main():
         tuning.choose = choose
 
     if args.module:
-        # the edited module, imported before the op is made, under the name codegen.load_module gives the
-        # spec's rendering (bench/probe_launch.py's --module)
+        # the edited module, imported before the op is made (as bench/probe_launch.py's --module)
         from attngen import codegen
         spec = attngen.spec.load_spec(Path(args.spec))
-        codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
+        codegen.load_edited_module(spec, Path(args.module))
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D,

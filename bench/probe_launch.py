@@ -175,7 +175,7 @@ def main() -> int:
             # the edited module, imported before the op is made, under the name codegen.load_module
             # gives the spec's rendering
             spec = attngen.spec.load_spec(SPECS / f"{name}.yaml")
-            codegen._import(f"attngen_generated_{spec.name}_{spec.hash}", Path(args.module).resolve())
+            codegen.load_edited_module(spec, Path(args.module))
         op = attngen.load(SPECS / f"{name}.yaml")
         bidirectional = op.spec.is_linear and op.spec.mask == "bidirectional"
         module = codegen.load_module(op.spec) if bidirectional else None
