@@ -202,10 +202,12 @@ def test_first_call_makes_the_ops_import_while_the_pool_compiles(monkeypatch):
 
     real_import = builtins.__import__
 
-    def recording_import(name, *args, **kwargs):
-        if name == "torch._dynamo":
+    def recording_import(name, globals=None, *args, **kwargs):
+        # first_call's own import only: torch._dynamo's first import (in a process that has not made it yet)
+        # imports "torch._dynamo" again from inside its own modules
+        if name == "torch._dynamo" and (globals or {}).get("__name__") == compiling.__name__:
             events.append("import torch._dynamo")
-        return real_import(name, *args, **kwargs)
+        return real_import(name, globals, *args, **kwargs)
 
     monkeypatch.setattr(compiling, "compile_only", lambda workers: Pool())
     monkeypatch.setattr(builtins, "__import__", recording_import)
