@@ -230,11 +230,13 @@ def outputs_and_grads(fn, spec: Spec, inputs: dict, with_grads: bool, seed: int 
 
 
 def compare(spec: Spec, op_fn, inputs: dict, dtype: torch.dtype, with_grads: bool = True,
-            device: torch.device | str | None = None, lse: bool = False) -> list[tuple[str, float, float]]:
+            device: torch.device | str | None = None, lse: bool = False,
+            outputs: dict | None = None) -> list[tuple[str, float, float]]:
     """(name, error, tolerance) for every output and gradient of op_fn on inputs in `dtype`,
     against the float64 oracle. Softmax/linear alike; lse: softmax's log-sum-exp too, and the
     gradients of a loss on it. The oracles run where the inputs are; op_fn runs on `device`
-    (default: there too), e.g. CPU oracles for GPU kernels."""
+    (default: there too), e.g. CPU oracles for GPU kernels. outputs: a dict that receives op_fn's
+    outputs and gradients (outputs_and_grads'), for a caller that checks more of them."""
     oracle = lambda **kw: reference(spec, **kw)
     ref = outputs_and_grads(oracle, spec, inputs, with_grads, lse=lse)
     lowp = None
@@ -244,6 +246,8 @@ def compare(spec: Spec, op_fn, inputs: dict, dtype: torch.dtype, with_grads: boo
                                  lse=lse)
     run_inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t).to(device or t.device) for n, t in inputs.items()}
     got = outputs_and_grads(op_fn, spec, run_inputs, with_grads, lse=lse)
+    if outputs is not None:
+        outputs.update(got)
     rows = []
     for name, r in ref.items():
         err = rel_error(got[name], r)

@@ -67,12 +67,13 @@ def check_zero_by_structure(op, inputs, dtype, do_seed: int = 1) -> None:
 
 
 def check(name: str, shape: Shape, dtype, monkeypatch, seed: int = 0, decay_strength: float = 1.0,
-          lse: bool = False) -> None:
-    """lse: the op's log-sum-exp (return_lse) too, and the gradients of a loss on o and on it."""
+          lse: bool = False, outputs: dict | None = None) -> None:
+    """lse: the op's log-sum-exp (return_lse) too, and the gradients of a loss on o and on it;
+    outputs: a dict that receives the op's outputs and gradients (attngen.testing.compare)."""
     op = attngen.load(SPECS[name])
     _, calls = kernel_module(op, monkeypatch)
     inputs = random_inputs(op.spec, shape, seed=seed, decay_strength=decay_strength)
-    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True, lse=lse)
+    rows = compare(op.spec, lambda **kw: op(**kw), inputs, dtype, with_grads=True, lse=lse, outputs=outputs)
     assert len(calls) == 1, "the backward kernels did not run"
     assert not lse or "lse" in {n for n, _, _ in rows}
     # one key per query: lse_t = s_tt, so a loss on it gives dq and dk; dg stays zero (the bias of a
@@ -320,11 +321,11 @@ def test_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
     module = codegen.load_module(op.spec)
     splits = spy_kv_splits(module, monkeypatch)
     shape = Shape(batch=2, q_len=Tq, k_len=Tk, heads=2 * kv_heads, kv_heads=kv_heads, head_dim=16, value_dim=8)
-    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk)
+    split = {}  # the split call's outputs and gradients, as check ran it
+    check(name, shape, DTYPES[dname], monkeypatch, seed=Tk, outputs=split)
     assert splits and max(splits) > 1, f"the keys were not split: {splits}"
     inputs = random_inputs(op.spec, shape, seed=Tk)
     inputs = {n: (t.to(DTYPES[dname]) if n in ("q", "k", "v") else t) for n, t in inputs.items()}
-    split = outputs_and_grads(lambda **kw: op(**kw), op.spec, inputs, with_grads=True)
     monkeypatch.setattr(module, "softmax_kv_split_len", lambda Tk, splits, BN: (1, Tk))
     whole = outputs_and_grads(lambda **kw: op(**kw), op.spec, inputs, with_grads=True)
     for n in whole:
