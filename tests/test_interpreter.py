@@ -41,7 +41,9 @@ def test_the_interpreter_walks_the_language_once_per_launch(monkeypatch):
     assert torch.isfinite(o).all()
     # the kernels' helpers (chunked_dot, tl.sum, ...) run in their loops: many calls per launch
     assert launches and len(helper_calls) >= 10 * len(launches), (len(launches), len(helper_calls))
-    # a launch walks tl, tl.tensor, tl.math and the tensor descriptors; its first helper naming
-    # tl.core walks those and tl.core, tl.core.tensor: 9 per launch (a walk at every helper call:
-    # six times as many walks as helper calls)
-    assert len(walks) <= 9 * len(launches), (len(walks), len(launches), len(helper_calls))
+    # at most two patches of the language per launch: the launch's own, and that of its first helper
+    # naming a module the launch's kernel does not (tl.core; a helper's patches are never restored, so
+    # they hold to the launch's end). Each walks at most tl, tl.tensor, tl.math, tl.core, tl.core.tensor
+    # and the tensor descriptors: 12 walks per launch at most (27 to 30 for these 3 launches; a patch at
+    # every helper call walks some 350 per launch)
+    assert len(walks) <= 12 * len(launches), (len(walks), len(launches), len(helper_calls))
