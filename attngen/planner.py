@@ -570,6 +570,12 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
         bwd_dq_BV = bwd_dk_BV = bwd_wy_BV = 128
         if fused_dq_dk(spec):
             bwd_dq_BV = 64
+    if fused_dq_dk(spec) and bwd_chunk == 64:
+        # The additive rules' step 4 in one kernel at their 64-token backward chunks: eight warps by 64 lanes
+        # (its [64, 128] and [64, 64] float32 accumulators: 0 B spilled for mamba2 at K = V = 128, 1368 B at four
+        # warps; Triton 3.6's ptxas). mamba2 bf16 B4 T8192 H16 on an H100: 698 us against the dq and dk steps'
+        # 466 + 425; by 32 lanes 855 (BENCHMARKS.md 2026-12-07, twelfth run).
+        bwd_dq_warps, bwd_dq_BV = 8, min(BV, 64)
     # The forward's chunk: 32 tokens in bf16 past 128 feature lanes (two warps, [BT, 256] tiles), where
     # measured faster. B2 T8192 H8 K = V = 256 on the H200 (bench/probe_launch.py, BENCHMARKS.md
     # 2026-12-04, tenth run), fwd and fwd+bwd ms: gated_deltanet 2.885 -> 1.147 and 6.796 -> 5.040 (the
@@ -1100,13 +1106,16 @@ def states_decay_ahead(spec: Spec) -> bool:
 def fused_dq_dk(spec: Spec) -> bool:
     """Whether the backward's step 4 runs as one kernel (chunked_bwd_dqk_kernel) rather than its dq and dk
     steps apart: the two sides read the same chunk's h_c, dS, U, dO, queries and keys, which one program
-    loads once (and keeps the decay gradient's query and chunk terms in registers). The delta rules with no
-    or a scalar decay, without a normalizer or stored features (the cases measured): bf16 B4 T8192 H16 K = V
-    = 128 on the H100, step 4 1433 -> 1091 us for gated_deltanet and 889 -> 796 for deltanet at four warps
-    and 64 value lanes, then 979 us for gated_deltanet with its raw tiles loaded before its value loop
-    (BENCHMARKS.md 2026-12-06, fourth run). Vector decay's pair sums by blocks hold more registers on each
-    side: kda keeps its two kernels (not measured fused)."""
-    return (spec.is_linear and spec.rule.ut_transform and spec.decay in ("none", "scalar")
+    loads once (and keeps the decay gradient's query and chunk terms in registers). Both rules with no, a
+    constant (the additive rule's: the delta rule's has no chunked backward) or a scalar decay, without a
+    normalizer or stored features (the cases measured), bf16 B4 T8192 H16 K = V = 128 on the H100: step 4
+    1433 -> 1091 us for gated_deltanet and 889 -> 796 for deltanet at four warps and 64 value lanes, then 979
+    us for gated_deltanet with its raw tiles loaded before its value loop (BENCHMARKS.md 2026-12-06, fourth
+    run); mamba2 466 + 425 -> 698 us at eight warps (fwd+bwd 2.034 -> 1.843 ms), retnet 269 + 273 -> 551 (its
+    dq step reads no dS: the same time; 2026-12-07, twelfth run). Vector decay's pair sums by blocks hold more registers on each side: gla and kda keep their two
+    kernels (not measured fused), as do the sum normalizer's specs (its columns' terms on both sides)."""
+    return (spec.is_linear and spec.mask != "bidirectional" and spec.decay in ("none", "scalar", "constant")
+            and not (spec.rule.ut_transform and spec.decay == "constant")
             and spec.normalize != "sum" and not stored_grad_features(spec))
 
 
@@ -1227,8 +1236,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
     step4 = " (the features as stored: only the feature map's gradient projects)" if stored_grad_features(spec) else ""
     if fused_dq_dk(spec):
         backward += (("chunked_bwd_dqk_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq, "
-                      "U dS^T and dP^T = U dO^T -> dk share" + (", the decay gradient" if decayed else "")
-                      + ", dW = -dU h_c^T for the UT step (one load of h_c, dS, U and dO)"),)
+                      "U dS^T and dP^T = U dO^T -> dk" + (" share" if delta else "") + (", the decay gradient" if decayed else "")
+                      + (", dW = -dU h_c^T for the UT step" if delta else "")
+                      + " (one load of h_c, dS, " + ("U" if delta else "V") + " and dO)"),)
     else:
         backward += (("chunked_bwd_dq_kernel", "chunk-parallel, at bwd_dq_warps: dO h_c^T and dP = dO U^T -> dq"
                       + (", the decay gradient's query terms and its chunk term sum_v h_c ⊙ dS"

@@ -877,12 +877,10 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      -> dk̂; the chain rule -> dk.
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
-# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. Step 4 is
-# two kernels, each with one [BT, BF] and one [BT, BT] float32 accumulator over its value loop and
-# half the tiles after it: as one kernel (bf16 at K = V = 128 and 32-token chunks, Triton 3.6) gla's
-# spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us; mamba2's
-# took 1600 us as one, 668 + 1084 as two (BENCHMARKS.md). dv is not computed in step 4: P^T and the
-# decayed keys would hold registers through its value loop.
+# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule.
+# Step 4 is two kernels, each with one [BT, BF] and one [BT, BT] float32 accumulator over its value loop
+# and half the tiles after it: as one kernel (bf16 at K = V = 128 and 32-token chunks, Triton 3.6) gla's
+# spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us (BENCHMARKS.md).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype)
 # and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V]
 # (chunked_bwd_states_dtype); the normalizer's columns z_c, dz and step 2's products [chunk slots, H, F] float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂

@@ -824,21 +824,20 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      initial state's gradient. One dot per chunk.
 #   3. chunked_bwd_dv_kernel, chunk-parallel per (chunk slot, head): P^T [BT, BT] once, then by
 #      value blocks dv = P^T dO + (K̂ ⊙ Γ_C/Γ) dS.
-#   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
-#      dP, sum_v h_c ⊙ dS; -> dq̂, the decay gradient's query terms and chunk term; the chain rule through
-#      scale and the feature map -> dq.
-#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T;
-#      -> dk̂, the decay gradient (with 4a's terms); the chain rule -> dk.
+#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      dP = dO V^T, V dS^T and dP^T = V dO^T, sum_v h_c ⊙ dS; -> dq̂, dk̂, the decay gradient;
+#      the chain rule -> dq, dk (planner.fused_dq_dk: each chunk's h_c, dS, V and dO loaded once, the decay
+#      gradient's query and chunk terms kept in registers).
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
-# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule. Step 4 is
-# two kernels, each with one [BT, BF] and one [BT, BT] float32 accumulator over its value loop and
-# half the tiles after it: as one kernel (bf16 at K = V = 128 and 32-token chunks, Triton 3.6) gla's
-# spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us; mamba2's
-# took 1600 us as one, 668 + 1084 as two (BENCHMARKS.md). dv is not computed in step 4: P^T and the
-# decayed keys would hold registers through its value loop.
+# 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule.
+# The dq and dk sides run in one kernel (planner.fused_dq_dk: no, a constant or a scalar decay, no normalizer
+# or stored features), at eight warps where the backward's chunk is 64 tokens (its two [BT, BF] and two
+# [BT, BT] float32 accumulators; planner.chunked_launch). dv is not computed in it: P^T and the keys held
+# through its value loop made it slower than the dv step (mamba2 bf16 B4 T8192 H16 K = V = 128 on an H100:
+# 1018 us against 698 + 270; BENCHMARKS.md 2026-12-07, twelfth run).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] and the state gradient
-# per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); step 4a's part of the decay gradient (float32).
+# per chunk dS [chunk slots, H, F, V] (chunked_bwd_states_dtype); a constant decay's per-chunk shares of its gradient (float32).
 # The forward saves nothing beyond its inputs.
 CHUNKED_BACKWARD = ("chunked",)
 
@@ -1012,9 +1011,9 @@ def chunked_bwd_dv_kernel(
 
 
 @triton.jit
-def chunked_bwd_dq_kernel(
+def chunked_bwd_dqk_kernel(
     # pointers
-    q, k, g, omega, do, u, h, ds, dq, dgq, dgc, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, u, h, ds, dq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1022,9 +1021,8 @@ def chunked_bwd_dq_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, DG: tl.constexpr,
 ):
-    # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
-    # output, dO h_c^T and dP = dO U^T -> dq; the decay gradient's query terms and chunk term sum_v h_c ⊙ dS
-    # for step 4b (dgq, dgc)
+    # step 4, one program per chunk slot and head: the queries' side of the gradients through the output,
+    # dO h_c^T and dP = dO U^T -> dq, and the keys' side, U dS^T and dP^T = U dO^T -> dk, the decay gradient
     i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1054,39 +1052,44 @@ def chunked_bwd_dq_kernel(
     m_tf = m_t[:, None] & m_f[None, :]
     b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
 
-    # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it);
-    # [BF] sum_v h_c ⊙ dS, the decay gradient's chunk term (h_c is loaded here anyway; step 4b then loads
-    # neither h_c nor an accumulator for it)
+    # [BT, BK] the raw queries and keys, as loaded: issued before the value loop, whose
+    # loads and products hide theirs (their features are computed after it; gated_deltanet bf16 B4 T8192 H16 K = V = 128
+    # on the H100: this step 1103 -> 999 us, 979 at three stages)
+    b_q_raw = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_k_raw = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+
+    # by value blocks: the products of both sides; [BF] sum_v h_c ⊙ dS, the decay gradient's
+    # chunk term
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     b_dqh = tl.zeros([BT, BF], dtype=tl.float32)
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)
     if DG:
         b_dgc = tl.zeros([BF], dtype=tl.float32)
+    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
+    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        # [BT, BV] the output gradient; [BV, BT] U and [BV, BF] h_c transposed by the load
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] the output gradient (in U's dtype, the dots' operand) and U, each in both products as
+        # loaded and transposed; [BV, BF] h_c and dS transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(u.dtype.element_ty)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
-        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        b_dP = chunked_dot(b_do, tl.trans(b_u), DOT_PRECISION, b_dP)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dPt = chunked_dot(b_u, tl.trans(b_do), DOT_PRECISION, b_dPt)
         if DG:
-            # [BV, BF] dS transposed by the load, as h_c
-            b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
             b_dgc += tl.sum(b_hct.to(tl.float32) * b_dst.to(tl.float32), 0)
-    if DG:
-        # [BF] the chunk term's sum_v h_c ⊙ dS, step 4b's
-        tl.store(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, b_dgc, mask=m_f)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q_raw.to(tl.float32)
     b_q_phi = b_q
     b_q_hat = b_q_phi
     b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k_raw.to(tl.float32)
     b_k_phi = b_k
     b_k_hat = b_k_phi
     # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
@@ -1104,95 +1107,13 @@ def chunked_bwd_dq_kernel(
     b_dq = b_dqh * b_gam[:, None]
     b_dq = chunked_dot(b_dP * b_D, b_k_hat, DOT_PRECISION, b_dq)
     if DG:
-        # a constant decay's gradient: the chunk's query share sum_t (t + 1) q̂_t . dq̂"_t (see the header), for step 4b
+        # a constant decay's gradient: the chunk's query share sum_t (t + 1) q̂_t . dq̂"_t (see the header), for the keys' side below
         b_pos = (o_i + 1).to(tl.float32)
-        tl.store(dgq + i_s.to(tl.int64) * H + i_h, tl.sum(tl.sum(b_qs * b_dqh, 1) * b_gam * b_pos, 0))
+        b_dgq = tl.sum(tl.sum(b_qs * b_dqh, 1) * b_gam * b_pos, 0)
     # the pair s = t back in; dq̂ -> the gradient of b_q_hat (before scale) -> of the raw queries
     b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
 
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-
-
-@triton.jit
-def chunked_bwd_dk_kernel(
-    # pointers
-    q, k, g, omega, do, u, ds, dgc, dgq, dk, dg, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr, DG: tl.constexpr,
-):
-    # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
-    # dk, the chunk's share of the decay gradient
-    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
-        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        i_n = i_s // tl.cdiv(T, BT)
-        i_c = i_s % tl.cdiv(T, BT)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    m_k, m_f = o_k < K, o_f < F
-    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
-    m_strict = o_i[:, None] > o_i[None, :]
-    m_strict_t = o_i[:, None] < o_i[None, :]
-    m_causal_t = o_i[:, None] <= o_i[None, :]
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tf = m_t[:, None] & m_f[None, :]
-    b_gc = floor_log_decay(tl.load(g + i_h).to(G_DTYPE))
-
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
-    # after this loop)
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
-    b_uds = tl.zeros([BT, BF], dtype=tl.float32)
-    b_dPt = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
-        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
-        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-    if DG:
-        # [BF] the chunk term's sum_v h_c ⊙ dS (step 4a's)
-        b_dgc = tl.load(dgc + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
-    # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
-    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q_phi = b_q
-    b_q_hat = b_q_phi
-    b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k_phi = b_k
-    b_k_hat = b_k_phi
-    # [BT] log decay per token, 0 on padded tokens (they leave the state unchanged)
-    b_g = tl.where(m_t, b_gc, 0.0)
-    b_G = tl.cumsum(b_g, 0)
-    b_GC = tl.sum(b_g, 0)
-    # [BT] Γ_t and Γ_C/Γ_t; scalar Γ_C
-    b_gam = tl.exp(b_G.to(tl.float32))
-    b_gam_rest = tl.exp((b_GC - b_G).to(tl.float32))
-    b_gam_C = tl.exp(b_GC.to(tl.float32))
-    # [BT, BT] Γ_t/Γ_s on s < t: D [t, s], D^T [s, t]
-    b_D = tl.exp(tl.where(m_strict, (b_G[:, None] - b_G[None, :]).to(tl.float32), float("-inf")))
-    b_Dt = tl.exp(tl.where(m_strict_t, (b_G[None, :] - b_G[:, None]).to(tl.float32), float("-inf")))
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T) ⊙ Γ_C/Γ
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(b_dPt * b_Dt, b_qs, DOT_PRECISION, b_dk)
@@ -1206,7 +1127,7 @@ def chunked_bwd_dk_kernel(
         b_Pt = chunked_dot(b_k_hat, b_qt, DOT_PRECISION) * b_Dt
         b_tot = tl.sum(tl.sum(tl.where(m_strict_t, (o_i[None, :] - o_i[:, None]).to(tl.float32), 0.0) * b_dPt * b_Pt, 1), 0)
         n_tok = tl.minimum(T_seq - i_c * BT, BT)
-        b_tot += tl.load(dgq + i_s.to(tl.int64) * H + i_h) + tl.sum(tl.sum(b_k_hat * b_dki, 1) * (n_tok - 1 - o_i).to(tl.float32), 0)
+        b_tot += b_dgq + tl.sum(tl.sum(b_k_hat * b_dki, 1) * (n_tok - 1 - o_i).to(tl.float32), 0)
         b_tot += n_tok.to(tl.float32) * tl.sum(b_dgc, 0) * b_gam_C
         # (spare varlen slots: every token masked, h_c and dS never written)
         tl.store(dg + i_s.to(tl.int64) * H + i_h, tl.where(n_tok > 0, b_tot, 0.0))
@@ -1278,19 +1199,14 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     chunked_bwd_dv_kernel[(st.n_slots * H,)](
         q, k, g, do, ds, dv, **chunks, T=T, H=H, K=K, V=V, F=F, scale=scale, **parallel,
     )
-    # step 4a: dq, the decay gradient's query terms; 4b: dk, the decay gradient
+    # step 4: dq and dk, the decay gradient, in one kernel (planner.fused_dq_dk): h_c, dS, the values and dO
+    # loaded once, the decay gradient's query and chunk terms kept in registers
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    # the chunks' shares of a constant decay's gradient (the query share of each, then the whole)
-    dgq, dg_chunks = torch.empty(st.n_slots, H, **f32), torch.empty(st.n_slots, H, **f32)
-    # and the decay gradient's chunk term sum_v h_c ⊙ dS per chunk, 4a's for 4b
-    dgc = torch.empty(st.n_slots, H, F, **f32)
-    chunked_bwd_dq_kernel[(st.n_slots * H,)](
-        q, k, g, omega, do, u, st.h, ds, dq, dgq, dgc, **chunks, T=T, H=H, K=K, V=V, F=F,
+    # the chunks' shares of a constant decay's gradient
+    dg_chunks = torch.empty(st.n_slots, H, **f32)
+    chunked_bwd_dqk_kernel[(st.n_slots * H,)](
+        q, k, g, omega, do, u, st.h, ds, dq, dk, dg_chunks, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps, DG=decay_grad),
-    )
-    chunked_bwd_dk_kernel[(st.n_slots * H,)](
-        q, k, g, omega, do, u, ds, dgc, dgq, dk, dg_chunks, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV, num_warps=launch.bwd_dk_warps, DG=decay_grad),
     )
     dg = dg_chunks.sum(0, dtype=torch.float64).to(g.dtype) if decay_grad else None
     return dq, dk, dv, dg, None, None, dh0, None

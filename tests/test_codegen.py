@@ -185,8 +185,9 @@ def test_every_step_template_is_a_step_the_planner_names():
 def test_the_chunk_term_in_the_dq_step():
     """The decay gradient's chunk term sum_v h_c ⊙ dS is summed in the dq step, which streams h_c anyway
     (it loads dS beside it and stores dgc); the dk step loads the sums and reads no h_c. Where step 4 is
-    one kernel (planner.fused_dq_dk: gated_deltanet), it reads h_c and dS and keeps the chunk term and the
-    query terms in registers: no dgc, dgq, nor dq and dk steps."""
+    one kernel (planner.fused_dq_dk: gated_deltanet, mamba2, retnet), it reads h_c and dS and keeps the chunk
+    term and the query terms in registers: no dgc, dgq, nor dq and dk steps; it stores the rule's outputs (the
+    delta rule's shares for its UT step, the additive rule's dk and dg)."""
     import re
 
     fused = 0
@@ -200,13 +201,14 @@ def test_the_chunk_term_in_the_dq_step():
         if planner.fused_dq_dk(spec):
             fused += 1
             dqk = signature("chunked_bwd_dqk_kernel").split(", ")
-            assert {"h", "ds", "dq", "dk_part", "dg_part"} <= set(dqk) and not {"dgc", "dgq"} & set(dqk), (path, dqk)
+            outputs = {"dk_part", "dg_part"} if spec.rule.ut_transform else {"dk", "dg"}
+            assert {"h", "ds", "dq"} | outputs <= set(dqk) and not {"dgc", "dgq"} & set(dqk), (path, dqk)
             assert "def chunked_bwd_dq_kernel" not in source and "def chunked_bwd_dk_kernel" not in source
             continue
         dq, dk = signature("chunked_bwd_dq_kernel").split(", "), signature("chunked_bwd_dk_kernel").split(", ")
         assert {"h", "ds", "dgc"} <= set(dq), (path, dq)
         assert "dgc" in dk and "h" not in dk, (path, dk)
-    assert fused == 1
+    assert fused == 3
 
 
 def test_hooks_of_every_rule_and_decay():
