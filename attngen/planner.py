@@ -573,8 +573,9 @@ def chunked_launch(spec: Spec, call: Call, dtype: torch.dtype) -> ChunkedLaunch:
     if fused_dq_dk(spec) and bwd_chunk == 64:
         # The additive rules' step 4 in one kernel at their 64-token backward chunks: eight warps by 64 lanes
         # (its [64, 128] and [64, 64] float32 accumulators: 0 B spilled for mamba2 at K = V = 128, 1368 B at four
-        # warps; Triton 3.6's ptxas). mamba2 bf16 B4 T8192 H16 on an H100: 698 us against the dq and dk steps'
-        # 466 + 425; by 32 lanes 855 (BENCHMARKS.md 2026-12-07, twelfth run).
+        # warps; Triton 3.6's ptxas). bf16 B4 T8192 H16 on an H100, against the dq and dk steps: mamba2 698 us
+        # against 466 + 425, by 32 lanes 855; linear_transformer 810 against 481 + 500, by 32 lanes 927
+        # (BENCHMARKS.md 2026-12-07, twelfth run).
         bwd_dq_warps, bwd_dq_BV = 8, min(BV, 64)
     # The forward's chunk: 32 tokens in bf16 past 128 feature lanes (two warps, [BT, 256] tiles), where
     # measured faster. B2 T8192 H8 K = V = 256 on the H200 (bench/probe_launch.py, BENCHMARKS.md
@@ -1107,16 +1108,18 @@ def fused_dq_dk(spec: Spec) -> bool:
     """Whether the backward's step 4 runs as one kernel (chunked_bwd_dqk_kernel) rather than its dq and dk
     steps apart: the two sides read the same chunk's h_c, dS, U, dO, queries and keys, which one program
     loads once (and keeps the decay gradient's query and chunk terms in registers). Both rules with no, a
-    constant (the additive rule's: the delta rule's has no chunked backward) or a scalar decay, without a
-    normalizer or stored features (the cases measured), bf16 B4 T8192 H16 K = V = 128 on the H100: step 4
-    1433 -> 1091 us for gated_deltanet and 889 -> 796 for deltanet at four warps and 64 value lanes, then 979
-    us for gated_deltanet with its raw tiles loaded before its value loop (BENCHMARKS.md 2026-12-06, fourth
-    run); mamba2 466 + 425 -> 698 us at eight warps (fwd+bwd 2.034 -> 1.843 ms), retnet 269 + 273 -> 551 (its
-    dq step reads no dS: the same time; 2026-12-07, twelfth run). Vector decay's pair sums by blocks hold more registers on each side: gla and kda keep their two
-    kernels (not measured fused), as do the sum normalizer's specs (its columns' terms on both sides)."""
+    constant (the additive rule's: the delta rule's has no chunked backward) or a scalar decay, with or
+    without the sum normalizer (its columns start both sides' accumulators), without stored features (the
+    cases measured), bf16 B4 T8192 H16 K = V = 128 on the H100: step 4 1433 -> 1091 us for gated_deltanet
+    and 889 -> 796 for deltanet at four warps and 64 value lanes, then 979 us for gated_deltanet with its
+    raw tiles loaded before its value loop (BENCHMARKS.md 2026-12-06, fourth run); at eight warps, mamba2
+    466 + 425 -> 698 us (fwd+bwd 2.034 -> 1.843 ms), linear_transformer 481 + 500 -> 810 (3.806 -> 3.619),
+    retnet 269 + 273 -> 551 (its dq step reads no dS: the same time; 2026-12-07, twelfth run). Vector decay's
+    pair sums by blocks hold more registers on each side: gla and kda keep their two kernels (not measured
+    fused), as does FAVOR+ with its stored features (performer)."""
     return (spec.is_linear and spec.mask != "bidirectional" and spec.decay in ("none", "scalar", "constant")
             and not (spec.rule.ut_transform and spec.decay == "constant")
-            and spec.normalize != "sum" and not stored_grad_features(spec))
+            and not stored_grad_features(spec))
 
 
 def stored_grad_features(spec: Spec) -> bool:

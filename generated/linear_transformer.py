@@ -870,17 +870,17 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 #      path (dv's is off it).
 #      Value block 0 walks the normalizer's column dz of dS beside its block, dz <- dz + Q̂^T c
 #      from step 2's products: a vector add per chunk.
-#   4a. chunked_bwd_dq_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T and
-#      dP; -> dq̂; the chain rule through
-#      scale and the feature map -> dq.
-#   4b. chunked_bwd_dk_kernel, the same programs by value blocks: U dS^T and dP^T;
-#      -> dk̂; the chain rule -> dk.
+#   4. chunked_bwd_dqk_kernel, chunk-parallel per (chunk slot, head), by value blocks: dO h_c^T,
+#      dP = dO V^T, V dS^T and dP^T = V dO^T; -> dq̂, dk̂;
+#      the chain rule -> dq, dk (planner.fused_dq_dk: each chunk's h_c, dS, V and dO loaded once).
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
 # 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule.
-# Step 4 is two kernels, each with one [BT, BF] and one [BT, BT] float32 accumulator over its value loop
-# and half the tiles after it: as one kernel (bf16 at K = V = 128 and 32-token chunks, Triton 3.6) gla's
-# spilled 4.3 KB and took 6542 us on the H200, as two 332 + 1888 B and 1126 + 2869 us (BENCHMARKS.md).
+# The dq and dk sides run in one kernel (planner.fused_dq_dk: no, a constant or a scalar decay, no stored
+# features), at eight warps where the backward's chunk is 64 tokens (its two [BT, BF] and two
+# [BT, BT] float32 accumulators; planner.chunked_launch). dv is not computed in it: P^T and the keys held
+# through its value loop made it slower than the dv step (mamba2 bf16 B4 T8192 H16 K = V = 128 on an H100:
+# 1018 us against 698 + 270; BENCHMARKS.md 2026-12-07, twelfth run).
 # Memory, live only inside this backward: step 1's h [chunk slots, H, F, V] (chunked_bwd_states_dtype)
 # and K̂ ⊙ Γ_C/Γ [B, T, H, F] (chunked_pass_dtype); the state gradient per chunk dS [chunk slots, H, F, V]
 # (chunked_bwd_states_dtype); the normalizer's columns z_c, dz and step 2's products [chunk slots, H, F] float32; dU [B, T, H, V] float32 (dv's local part: dv is an output, rounded once) and Q̂
@@ -1060,9 +1060,9 @@ def chunked_bwd_states_kernel(
 
 
 @triton.jit
-def chunked_bwd_dq_kernel(
+def chunked_bwd_dqk_kernel(
     # pointers
-    q, k, g, omega, do, c, u, h, hz, dq, cu_seqlens, chunk_offsets, chunk_seq,
+    q, k, g, omega, do, c, u, h, hz, ds, dsz, dq, dk, cu_seqlens, chunk_offsets, chunk_seq,
     # dims
     T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
     scale, x_scale, f_scale,
@@ -1070,8 +1070,8 @@ def chunked_bwd_dq_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
 ):
-    # step 4a, one program per chunk slot and head: the queries' side of the gradients through the
-    # output, dO h_c^T and dP = dO U^T -> dq
+    # step 4, one program per chunk slot and head: the queries' side of the gradients through the output,
+    # dO h_c^T and dP = dO U^T -> dq, and the keys' side, U dS^T and dP^T = U dO^T -> dk
     i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
     if IS_VARLEN:
         i_n = tl.load(chunk_seq + i_s).to(tl.int32)
@@ -1100,8 +1100,13 @@ def chunked_bwd_dq_kernel(
     o_tok = (bos + o_t) * H + i_h
     m_tf = m_t[:, None] & m_f[None, :]
 
-    # by value blocks: [BT, BF] dO h_c^T, [BT, BT] dP = dO U^T (the queries, keys and decays are loaded
-    # after this loop, which does not read them: they would hold registers through it)
+    # [BT, BK] the raw queries and keys, as loaded: issued before the value loop, whose
+    # loads and products hide theirs (their features are computed after it; gated_deltanet bf16 B4 T8192 H16 K = V = 128
+    # on the H100: this step 1103 -> 999 us, 979 at three stages)
+    b_q_raw = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    b_k_raw = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+
+    # by value blocks: the products of both sides
     o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
     # the accumulators start from the ones column of U and the normalizer's of h_c (z_c [BF]) and of dO
     # (c [BT], 0 on padded tokens): the rank-1 terms c z_c^T and c 1^T of the two products
@@ -1109,23 +1114,32 @@ def chunked_bwd_dq_kernel(
     b_zc = tl.load(hz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
     b_dqh = b_c[:, None] * b_zc[None, :]
     b_dP = tl.where(m_t[None, :], b_c[:, None], 0.0)
+    # the accumulators start from the ones column of U and the normalizer's of dS (dz [BF]) and dO (c
+    # [BT], 0 on padded tokens): the rank-1 terms 1 dz^T and 1 c^T of the two products
+    b_dz = tl.load(dsz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
+    b_uds = tl.where(m_t[:, None], b_dz[None, :], 0.0)
+    b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        # [BT, BV] the output gradient; [BV, BT] U and [BV, BF] h_c transposed by the load
-        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_ut = tl.load(u + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0)
+        # [BT, BV] the output gradient (in U's dtype, the dots' operand) and U, each in both products as
+        # loaded and transposed; [BV, BF] h_c and dS transposed by the load
+        b_do = tl.load(do + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0).to(u.dtype.element_ty)
+        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_hct = tl.load(h + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
+        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
         b_dqh = chunked_dot(b_do, b_hct, DOT_PRECISION, b_dqh)
-        b_dP = chunked_dot(b_do, b_ut, DOT_PRECISION, b_dP)
+        b_dP = chunked_dot(b_do, tl.trans(b_u), DOT_PRECISION, b_dP)
+        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
+        b_dPt = chunked_dot(b_u, tl.trans(b_do), DOT_PRECISION, b_dPt)
     # [BT] dP_tt, the pair s = t, kept apart (see the header)
     b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dP, 0.0), 1)
     # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_q = b_q_raw.to(tl.float32)
     b_q_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_q), 0.0)
     b_q_hat = b_q_phi
     b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_k = b_k_raw.to(tl.float32)
     b_k_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_k), 0.0)
     b_k_hat = b_k_phi
     # [BT, BF] dq̂ without the pair s = t: (dO h_c^T) and the pairs s < t of dP K̂
@@ -1135,77 +1149,6 @@ def chunked_bwd_dq_kernel(
     b_dq = (b_dq + b_dd[:, None] * b_k_hat) * scale
     b_dq = tl.where(m_t[:, None] & m_f[None, :], b_dq * phi_grad(b_q), 0.0)
     tl.store(dq + o_tok[:, None] * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-
-
-@triton.jit
-def chunked_bwd_dk_kernel(
-    # pointers
-    q, k, g, omega, do, c, u, ds, dsz, dk, cu_seqlens, chunk_offsets, chunk_seq,
-    # dims
-    T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, F: tl.constexpr,
-    scale, x_scale, f_scale,
-    # meta
-    BT: tl.constexpr, BK: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, G_DTYPE: tl.constexpr,
-):
-    # step 4b, one program per chunk slot and head: the keys' side, U dS^T and dP^T = U dO^T ->
-    # dk
-    i_s, i_h = tl.program_id(0) // H, tl.program_id(0) % H
-    if IS_VARLEN:
-        i_n = tl.load(chunk_seq + i_s).to(tl.int32)
-        i_c = i_s - tl.load(chunk_offsets + i_n).to(tl.int32)
-    else:
-        i_n = i_s // tl.cdiv(T, BT)
-        i_c = i_s % tl.cdiv(T, BT)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T_seq = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    else:
-        bos = i_n.to(tl.int64) * T
-        T_seq = T
-
-    o_i = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_f = tl.arange(0, BF)
-    m_k, m_f = o_k < K, o_f < F
-    # [BT, BT] s < t in [t, s] and in [s, t]; s <= t in [s, t]
-    m_strict = o_i[:, None] > o_i[None, :]
-    m_strict_t = o_i[:, None] < o_i[None, :]
-    m_causal_t = o_i[:, None] <= o_i[None, :]
-    # [BT] the chunk's tokens; o_tok indexes the [B * T, H] rows (int64)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T_seq
-    o_tok = (bos + o_t) * H + i_h
-    m_tf = m_t[:, None] & m_f[None, :]
-
-    # by value blocks: [BT, BF] U dS^T, [BT, BT] dP^T = U dO^T (the queries, keys and decays are loaded
-    # after this loop)
-    o_hc = (i_s.to(tl.int64) * H + i_h) * F * V
-    # the accumulators start from the ones column of U and the normalizer's of dS (dz [BF]) and dO (c
-    # [BT], 0 on padded tokens): the rank-1 terms 1 dz^T and 1 c^T of the two products
-    b_c = tl.load(c + o_tok, mask=m_t, other=0.0)
-    b_dz = tl.load(dsz + (i_s.to(tl.int64) * H + i_h) * F + o_f, mask=m_f, other=0.0)
-    b_uds = tl.where(m_t[:, None], b_dz[None, :], 0.0)
-    b_dPt = tl.where(m_t[:, None], b_c[None, :], 0.0)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        # [BT, BV] U; [BV, BT] the output gradient and [BV, BF] dS transposed by the load
-        b_u = tl.load(u + o_tok[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_dot = tl.load(do + o_tok[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_t[None, :], other=0.0).to(tl.float32)
-        b_dst = tl.load(ds + o_hc + o_f[None, :] * V + o_v[:, None], mask=m_v[:, None] & m_f[None, :], other=0.0)
-        b_uds = chunked_dot(b_u, b_dst, DOT_PRECISION, b_uds)
-        b_dPt = chunked_dot(b_u, b_dot, DOT_PRECISION, b_dPt)
-    # [BT] dP_tt, the pair s = t, kept apart (see the header): the diagonal of dP^T
-    b_dd = tl.sum(tl.where(o_i[:, None] == o_i[None, :], b_dPt, 0.0), 1)
-    # [BT, BK] the raw queries, their features; [BT, BF] q̂ (with scale) and k̂
-    b_q = tl.load(q + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_q_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_q), 0.0)
-    b_q_hat = b_q_phi
-    b_qs = b_q_hat * scale
-    b_k = tl.load(k + o_tok[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_k_phi = tl.where(m_t[:, None] & m_f[None, :], phi(b_k), 0.0)
-    b_k_hat = b_k_phi
     # [BT, BF] dk̂': the pairs s < t of dP^T Q̂; dk̂" = (U dS^T)
     b_dk = tl.zeros([BT, BF], dtype=tl.float32)
     b_dk = chunked_dot(tl.where(m_strict_t, b_dPt, 0.0), b_qs, DOT_PRECISION, b_dk)
@@ -1309,16 +1252,13 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # goes back before step 4 allocates (the backward's peak: bench/peak_memory.py)
     del qg, du, args, dse, dsd, rz, dsez
     st = st._replace(kr=None, gc=None)
-    # step 4a: dq; 4b: dk
+    # step 4: dq and dk, in one kernel (planner.fused_dq_dk): h_c, dS, the values and dO
+    # loaded once
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = None
-    chunked_bwd_dq_kernel[(st.n_slots * H,)](
-        q, k, g, omega, do, c, u, st.h, st.hz, dq, **chunks, T=T, H=H, K=K, V=V, F=F,
+    chunked_bwd_dqk_kernel[(st.n_slots * H,)](
+        q, k, g, omega, do, c, u, st.h, st.hz, ds, dsz, dq, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
         scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dq_BV, num_warps=launch.bwd_dq_warps),
-    )
-    chunked_bwd_dk_kernel[(st.n_slots * H,)](
-        q, k, g, omega, do, c, u, ds, dsz, dk, **chunks, T=T, H=H, K=K, V=V, F=F,
-        scale=scale, x_scale=K ** -0.25, f_scale=F ** -0.5, **dict(parallel, BV=launch.bwd_dk_BV, num_warps=launch.bwd_dk_warps),
     )
     return dq, dk, dv, dg, None, None, dh0, None
 

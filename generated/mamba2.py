@@ -819,8 +819,8 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 # dP^T is computed as a dot of its own (dP^T = U dO^T), and h_c, dS, U, dO loaded in the layouts the
 # dots take: no value is transposed (tl.trans of a dot's result miscompiles on Hopper with Triton
 # 3.4-3.7), and dk̂, dq̂ are whole rows [BT, BF] in the step that applies the chain rule.
-# The dq and dk sides run in one kernel (planner.fused_dq_dk: no, a constant or a scalar decay, no normalizer
-# or stored features), at eight warps where the backward's chunk is 64 tokens (its two [BT, BF] and two
+# The dq and dk sides run in one kernel (planner.fused_dq_dk: no, a constant or a scalar decay, no stored
+# features), at eight warps where the backward's chunk is 64 tokens (its two [BT, BF] and two
 # [BT, BT] float32 accumulators; planner.chunked_launch). dv is not computed in it: P^T and the keys held
 # through its value loop made it slower than the dv step (mamba2 bf16 B4 T8192 H16 K = V = 128 on an H100:
 # 1018 us against 698 + 270; BENCHMARKS.md 2026-12-07, twelfth run).

@@ -292,7 +292,7 @@ def test_launch_knobs_reach_the_kernels(name, monkeypatch):
 
 
 @pytest.mark.usefixtures("triton_backend")
-@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "linear_transformer"])
+@pytest.mark.parametrize("name", ["gated_deltanet", "mamba2", "gla"])
 def test_the_backward_steps_take_their_own_warps(name, monkeypatch):
     """bwd_warps launches the backward's dU step (the dv step after the pass: planner.dv_after_states) and
     state-gradient pass, bwd_dq_warps its dq step and bwd_dk_warps its dk step, each at its own; the
@@ -373,7 +373,7 @@ def test_the_backward_state_pass_takes_value_blocks_of_its_own(name, monkeypatch
 
 
 @pytest.mark.usefixtures("triton_backend")
-@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet", "linear_transformer"])
+@pytest.mark.parametrize("name", ["mamba2", "gated_deltanet", "gla"])
 def test_the_backward_steps_take_value_blocks_of_their_own(name, monkeypatch):
     """bwd_dq_BV, bwd_dk_BV and bwd_wy_BV (the delta rules' UT step) are the value lanes of the value
     loops of the backward's dq, dk and UT steps, apart from BV (the forward's prepare step and the
