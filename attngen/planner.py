@@ -1114,9 +1114,10 @@ def fused_dq_dk(spec: Spec) -> bool:
     and 889 -> 796 for deltanet at four warps and 64 value lanes, then 979 us for gated_deltanet with its
     raw tiles loaded before its value loop (BENCHMARKS.md 2026-12-06, fourth run); at eight warps, mamba2
     466 + 425 -> 698 us (fwd+bwd 2.034 -> 1.843 ms), linear_transformer 481 + 500 -> 810 (3.806 -> 3.619),
-    retnet 269 + 273 -> 551 (its dq step reads no dS: the same time; 2026-12-07, twelfth run). Vector decay's
-    pair sums by blocks hold more registers on each side: gla and kda keep their two kernels (not measured
-    fused), as does FAVOR+ with its stored features (performer)."""
+    retnet 269 + 273 -> 551 (its dq step reads no dS: the same time; 2026-12-07, twelfth run). Not vector
+    decay, whose pair sums by blocks hold more registers on each side: gla 1046 + 1426 -> 3206 us at four
+    warps, kda 1419 + 1608 -> 3017 at its best width (2026-12-07, thirteenth run); nor FAVOR+ with its stored
+    features (performer)."""
     return (spec.is_linear and spec.mask != "bidirectional" and spec.decay in ("none", "scalar", "constant")
             and not (spec.rule.ut_transform and spec.decay == "constant")
             and not stored_grad_features(spec))
