@@ -1,11 +1,14 @@
-"""Run a spec's forward (or its fla baseline's) twice at one shape, for Nsight Compute to profile one
-launch of a kernel of it (the second: --launch-skip 1 passes the first call's compilation and autotuning):
+"""Run a spec's forward (or its fla baseline's; --bwd: its forward and backward) twice at one shape, for
+Nsight Compute to profile one launch of a kernel of it (the second: --launch-skip 1 passes the first call's
+compilation and autotuning):
 
     ncu --clock-control none -k regex:chunked_states_kernel --launch-skip 1 -c 1 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         python3 bench/ncu_forward.py specs/gated_deltanet.yaml [--baseline] [--B 4 --T 8192 --H 16 --D 128]
 
 --baseline runs the spec's first baseline of attngen.bench (fla's op for the linear specs) on the same inputs.
+Per-instruction stall samples of the profiled kernel: add `--section SourceCounters --page source --print-source
+sass --csv` (one row per SASS instruction, its warp-stall samples by reason).
 """
 from __future__ import annotations
 
@@ -31,10 +34,11 @@ def main():
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bwd", action="store_true", help="the forward and backward (a random output gradient)")
     args = p.parse_args()
     op = attngen.load(args.spec)
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D)
-    inputs = bench_inputs(op.spec, shape, getattr(torch, args.dtype), "cuda", requires_grad=False)
+    inputs = bench_inputs(op.spec, shape, getattr(torch, args.dtype), "cuda", requires_grad=args.bwd)
     if args.baseline:
         scale = attngen.runtime.check_call(op, inputs).scale
         baselines = bench.baselines(op.spec, shape, scale, "cuda")
@@ -43,9 +47,17 @@ def main():
         run = lambda: baselines[0].fn(inputs)  # noqa: E731
     else:
         run = lambda: op(**inputs)  # noqa: E731
-    with torch.no_grad():
+    if args.bwd:
+        def step():
+            out = run()
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.randn_like(out))
         for _ in range(2):
-            run()
+            step()
+    else:
+        with torch.no_grad():
+            for _ in range(2):
+                run()
     torch.cuda.synchronize()
 
 
