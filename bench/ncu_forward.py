@@ -4,11 +4,12 @@ compilation and autotuning):
 
     ncu --clock-control none -k regex:chunked_states_kernel --launch-skip 1 -c 1 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-        python3 bench/ncu_forward.py specs/gated_deltanet.yaml [--baseline] [--B 4 --T 8192 --H 16 --D 128]
+        python3 bench/ncu_forward.py specs/gated_deltanet.yaml [--baseline] [--bwd] [--B 4 --T 8192 --H 16 --D 128]
 
 --baseline runs the spec's first baseline of attngen.bench (fla's op for the linear specs) on the same inputs.
-Per-instruction stall samples of the profiled kernel: add `--section SourceCounters --page source --print-source
-sass --csv` (one row per SASS instruction, its warp-stall samples by reason).
+Stall samples and instruction counts of the profiled kernel by source line: add `--section SourceCounters --page
+source --print-source cuda,sass --csv` (a table per source file: the kernel's template lines, kernel_lib's and
+triton.language's, each row a line with its warp-stall samples and instructions executed).
 """
 from __future__ import annotations
 
