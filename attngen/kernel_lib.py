@@ -28,9 +28,9 @@ __all__ = ["BIDIRECTIONAL_MIN_TILES", "BIDIRECTIONAL_SPAN_TILES", "LOG2E", "SEGM
            "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel",
            "chunked_segment_transition", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel", "softmax_combine_kernel",
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel",
            "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
-           "softmax_segment_cumsum_kernel", "tile_descriptor", "tile_descriptors"]
+           "softmax_segment_cumsum_kernel", "softmax_split_merge", "tile_descriptor", "tile_descriptors"]
 
 LOG2E = 1.4426950408889634
 
@@ -497,40 +497,58 @@ def tile_descriptors(rows, *xs):
 
 
 # --------------------------------------------------------------------------- softmax kernels
-# The softmax kernels that no spec changes: the merge of split-KV partials, the backward's preprocess and,
+# The softmax kernels and helpers that no spec changes: the merge of split-KV partials, the backward's preprocess and,
 # for a scalar decay's score bias (forgetting attention), the cumsums of its log decays.
 
 
 @triton.jit
-def softmax_combine_kernel(
+def softmax_split_merge(
     # pointers
-    o_part, lse_part, o, lse,
-    # dims
-    Tq, S, H: tl.constexpr, V: tl.constexpr, o_split_stride, lse_split_stride,
-    # meta
-    BS: tl.constexpr, BV: tl.constexpr,
+    o_part, lse_part, o, lse, split_count,
+    # the program's query rows: their offsets into o ([BM] rows of V) and lse, which are real (m_m)
+    i_count, i_q, o_lse, o_m, m_m, splits, o_split_stride, lse_split_stride,
+    V: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
 ):
-    """Merge the split-KV partials of one query row (token x head): o = sum_s w_s o_s with
-    w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s)."""
-    i_row = tl.program_id(0)
-    i_tok, i_h = i_row // H, i_row % H
-    i_b, i_t = i_tok // Tq, i_tok % Tq
-    o_s = tl.arange(0, BS)
-    o_v = tl.arange(0, BV)
-    m_s, m_v = o_s < S, o_v < V
-    # [BS] the partial lse (natural log) of each split
-    o_lse = (i_b.to(tl.int64) * H + i_h) * Tq + i_t
-    b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse, mask=m_s, other=float("-inf")).to(tl.float64)
-    b_max = tl.max(b_lse, 0)
-    b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
-    b_sum = tl.sum(b_w, 0)
-    # [BS, BV]
-    o_row = i_row.to(tl.int64) * V
-    b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + o_row + o_v[None, :],
-                  mask=m_s[:, None] & m_v[None, :], other=0.0)
-    b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
-    tl.store(o + o_row + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
-    tl.store(lse + o_lse, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
+    """Split-KV's merge, run by each of a query block's split programs after it stored its partial
+    output and lse: the last of them to finish merges all the block's partials, o = sum_s w_s o_s
+    with w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s), and sets the block's count back to zero
+    for the next call. split_count [blocks] int32 (zeros before the first call) counts the block's
+    finished splits at i_count. The barrier puts every thread's stores of the partial before the
+    count is taken, whose release and acquire (GPU scope) order them before the last program's
+    loads, which bypass the SM's L1 (cache_modifier .cg: no line of an earlier call is read)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(split_count + i_count, 1, sem="acq_rel", scope="gpu")
+    if done == splits - 1:
+        o_v = tl.arange(0, BV)
+        m_v = o_v < V
+        # [BM] the largest partial lse of each row, then the sum of their weights (float64)
+        b_max = tl.full([BM], float("-inf"), dtype=tl.float64)
+        for i_s in range(splits):
+            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
+                            cache_modifier=".cg").to(tl.float64)
+            b_max = tl.maximum(b_max, b_lse)
+        # a row no split saw (padding) has max -inf: weigh against 0 there, not -inf (no NaN)
+        b_ref = tl.where(b_max == float("-inf"), 0.0, b_max)
+        b_sum = tl.zeros([BM], dtype=tl.float64)
+        for i_s in range(splits):
+            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
+                            cache_modifier=".cg").to(tl.float64)
+            b_sum += tl.exp(b_lse - b_ref)
+        b_sum = tl.where(b_sum > 0, b_sum, 1.0)
+        # [BM, BV] the partials weighed by w_s
+        m_o = m_m[:, None] & m_v[None, :]
+        b_out = tl.zeros([BM, BV], dtype=o_part.dtype.element_ty)
+        for i_s in range(splits):
+            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
+                            cache_modifier=".cg").to(tl.float64)
+            b_w = (tl.exp(b_lse - b_ref) / b_sum).to(o_part.dtype.element_ty)
+            b_o = tl.load(o_part + i_s * o_split_stride + i_q[:, None] * V + o_v[None, :], mask=m_o, other=0.0,
+                          cache_modifier=".cg")
+            b_out += b_o * b_w[:, None]
+        tl.store(o + i_q[:, None] * V + o_v[None, :], b_out.to(o.dtype.element_ty), mask=m_o)
+        b_lse = tl.where(b_max == float("-inf"), float("-inf"), b_ref + tl.log(b_sum))
+        tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
+        tl.store(split_count + i_count, 0)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ and values; the effective cache bandwidth (keys and values read once) of the gra
 
 --host (with --softmax): per batch, where the eager step's host time goes: the step's wall time per call
 on the host (no sync; the GPU runs behind), and the part of it spent inside each Triton launch
-(kv_append_kernel, softmax_fwd_kernel, softmax_combine_kernel) and in the cache lengths' fill_.
+(kv_append_kernel, softmax_fwd_kernel: the split-KV merge runs inside it) and in the cache lengths' fill_.
 
 Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
 and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
@@ -120,7 +120,7 @@ def softmax_decode_host(batches: list[int], keys: int, calls: int = 2000) -> Non
     """Where the eager softmax decode step's host time goes (see the header)."""
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "softmax_causal.yaml")
     module = runtime.kernels_for(op)
-    names = ("kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel")
+    names = ("kv_append_kernel", "softmax_fwd_kernel")
     print(f"softmax_causal decode host time per step (us), one query against {keys} keys, H{H} D{K} bf16, "
           f"median over {calls} calls of blocks of 100")
     print(f"{'B':>5} {'step':>7} {'fill_':>7} " + " ".join(f"{n.removesuffix('_kernel'):>14}" for n in names)

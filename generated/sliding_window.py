@@ -31,8 +31,8 @@ import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor,
-                                softmax_bwd_preprocess_kernel, softmax_combine_kernel, softmax_kv_split_len,
-                                softmax_lse_dtype, softmax_scaled, tile_descriptors)
+                                softmax_bwd_preprocess_kernel, softmax_kv_split_len, softmax_lse_dtype, softmax_scaled,
+                                softmax_split_merge, tile_descriptors)
 
 SPEC_NAME = "sliding_window"
 SPEC_HASH = "35bf553ab63166fa"
@@ -121,7 +121,7 @@ def softmax_fwd_tiles(
 @triton.jit
 def softmax_fwd_kernel(
     # pointers
-    q, k, v, k_desc, v_desc, o, lse, cu_seqlens, kv_slots, kv_lens,
+    q, k, v, k_desc, v_desc, o, lse, o_part, lse_part, split_count, cu_seqlens, kv_slots, kv_lens,
     # dims
     Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
@@ -134,8 +134,9 @@ def softmax_fwd_kernel(
     # launch's tma where tile_descriptor takes them), else by pointers
     # SPLIT (split-KV, few queries against many keys): program i_split (grid axis 1) folds only the keys of
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
-    # lse (float64) at o + i_split * o_split_stride, lse + i_split * lse_split_stride;
-    # softmax_combine_kernel merges the partials by their lse
+    # lse (float64) at o_part + i_split * o_split_stride, lse_part + i_split * lse_split_stride; the
+    # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
+    # its count in split_count: no second launch)
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
     # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
@@ -231,10 +232,15 @@ def softmax_fwd_kernel(
     # split-KV merge and the backward's P = exp2(s - lse2) amplify its error)
     b_lse = tl.where(m_seen, (b_m.to(tl.float64) + tl.log2(b_l.to(tl.float64))) * 0.6931471805599453, float("-inf"))
     if SPLIT:
-        o += i_split.to(tl.int64) * o_split_stride
-        lse += i_split.to(tl.int64) * lse_split_stride
-    tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
-    tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
+        o_s = o_part + i_split.to(tl.int64) * o_split_stride
+        lse_s = lse_part + i_split.to(tl.int64) * lse_split_stride
+        tl.store(o_s + i_q[:, None] * V + o_v[None, :], b_o.to(o_part.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
+        tl.store(lse_s + o_lse + o_m, b_lse.to(lse_part.dtype.element_ty), mask=m_m)
+        softmax_split_merge(o_part, lse_part, o, lse, split_count, i_pid, i_q, o_lse, o_m, m_m, tl.num_programs(1),
+                            o_split_stride, lse_split_stride, V, BM, BV)
+    else:
+        tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
+        tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
 
 
 # The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
@@ -277,8 +283,8 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
     """The forward's launch for calls shaped as q, k, v (softmax_fwd's; N sequences, the longest
     max_len; varlen: packed by cu_seqlens; cached: k and v are a cache; launch a SoftmaxLaunch), its
     grids, blocks and constexprs fixed here once, and its outputs allocated: (run, o, lse), where
-    run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale) launches softmax_fwd_kernel and the split merge,
-    writing o and lse, the same tensors every call (a prepared decode step's; qk_scale the scale in
+    run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale) launches softmax_fwd_kernel (the split merge
+    in it), writing o and lse, the same tensors every call (a prepared decode step's; qk_scale the scale in
     log2 units, 1 for float64 inputs, whose q carries it)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
@@ -295,12 +301,16 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
     span = Tk + BN if cached else Tk
     # the split forward reads dense sequences: packed ones are not split
     splits, split_len = (1, Tk) if varlen else softmax_kv_split_len(span, launch.kv_splits, BN)
-    # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), and lse, float64
-    acc = torch.float64 if is_fp64 else torch.float32
-    o_run = o if splits == 1 else q.new_empty(splits, B, Tq, H, V, dtype=acc)
-    lse_run = lse if splits == 1 else q.new_empty(splits, B, H, Tq, dtype=torch.float64)
     n_blocks = ceil_div(max_len, BM)
     grid = (n_blocks * N * H, splits)
+    # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), lse, float64, and the
+    # count of each query block's finished splits (zeros; the merge sets them back)
+    acc = torch.float64 if is_fp64 else torch.float32
+    o_part = lse_part = split_count = None
+    if splits > 1:
+        o_part = q.new_empty(splits, B, Tq, H, V, dtype=acc)
+        lse_part = q.new_empty(splits, B, H, Tq, dtype=torch.float64)
+        split_count = torch.zeros(grid[0], device=q.device, dtype=torch.int32)
     # Tq, Tk, S, L, H, HK, K, V; after qk_scale, the blocks and the partials' strides
     dims = (Tq, Tk, k.shape[0], Tk, H, HK, K, V)
     rest = (n_blocks, split_len, B * Tq * H * V, B * H * Tq)
@@ -308,17 +318,14 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
                 DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
                 LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, num_warps=launch.warps,
                 num_stages=launch.stages)
-    merge_meta = dict(BS=max(2, pow2_ceil(splits)), BV=BV, num_warps=4)
     # the key and value tiles by the copy engine where the launch says so (tma) and tile_descriptor takes
     # k and v; a cache's rows are a ring, read by pointers
     tma = bool(launch.tma) and not cached
 
     def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale):
         k_desc, v_desc = tile_descriptors(BN, k, v) if tma else (None, None)
-        softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, o_run, lse_run, cu_seqlens, kv_slots, kv_lens, *dims,
-                                 qk_scale, *rest, TMA=k_desc is not None, **meta)
-        if splits > 1:
-            softmax_combine_kernel[(B * Tq * H,)](o_run, lse_run, o, lse, Tq, splits, H, V, *rest[2:], **merge_meta)
+        softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, o, lse, o_part, lse_part, split_count, cu_seqlens,
+                                 kv_slots, kv_lens, *dims, qk_scale, *rest, TMA=k_desc is not None, **meta)
 
     return run, o, lse
 

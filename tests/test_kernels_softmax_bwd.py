@@ -178,7 +178,7 @@ def spy_kv_splits(module, monkeypatch) -> list:
 @pytest.mark.parametrize("Tq, Tk, kv_heads", [(1, 300, 2), (3, 531, 1)])
 @pytest.mark.parametrize("name", ["causal", "window16", "forgetting"])
 def test_lse_split_kv_decode(name, Tq, Tk, kv_heads, dname, monkeypatch):
-    """Decode with the keys split (flash-decoding): the lse the combine kernel merges is the
+    """Decode with the keys split (flash-decoding): the lse the last split merges is the
     call's, and its gradient flows through the backward."""
     op = attngen.load(SPECS[name])
     splits = spy_kv_splits(codegen.load_module(op.spec), monkeypatch)

@@ -486,8 +486,8 @@ def test_softmax_continuous_batching(name, backend):
 
 @pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
 def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
-    """A prepared softmax step's call reads tensor metadata and launches the append, the split
-    forward and the merge of its partials, in place on the cache, into buffers allocated when it
+    """A prepared softmax step's call reads tensor metadata and launches the append and the split
+    forward (which merges its partials itself), in place on the cache, into buffers allocated when it
     was prepared: no allocation, no copy, no host read of a tensor; it returns the same output
     tensor every call."""
     op = softmax_op(name)
@@ -501,7 +501,7 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **meta: launches.append((self.name, args, meta))
 
-    for kernel in ("kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel"):
+    for kernel in ("kv_append_kernel", "softmax_fwd_kernel"):
         monkeypatch.setattr(module, kernel, Launcher(kernel))
     cache = softmax_cache(op, 4, **({} if op.spec.mask == "sliding_window" else dict(max_len=512)))
     # a GPU of many multiprocessors, for whom the keys of two queries are split
@@ -516,13 +516,15 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     assert set(calls.names) <= HOST_METADATA, sorted(set(calls.names) - HOST_METADATA)
     assert again is o and tuple(o.shape) == (2, 1, HQ, V)
     names = [n for n, _, _ in launches]
-    assert names == ["kv_append_kernel", "softmax_fwd_kernel", "softmax_combine_kernel"] * 2, names
-    (_, append, _), (_, attend, meta), (_, merge, _) = launches[:3]
+    assert names == ["kv_append_kernel", "softmax_fwd_kernel"] * 2, names
+    (_, append, _), (_, attend, meta) = launches[:2]
     assert append[2] is cache.k and append[3] is cache.v and append[4] is slots and append[5] is cache.lengths
-    assert attend[1] is cache.k and attend[2] is cache.v and attend[8] is slots and attend[9] is cache.lengths
+    assert attend[1] is cache.k and attend[2] is cache.v and attend[11] is slots and attend[12] is cache.lengths
     # a cache's rows are a ring: read by pointers, not tensor descriptors
     assert attend[3] is None and attend[4] is None and not meta["TMA"]
-    assert meta["SPLIT"] and meta["KV_CACHE"] and merge[2] is o
+    # the merged output is the step's; the partials and the splits' counts are the step's own buffers
+    assert meta["SPLIT"] and meta["KV_CACHE"] and attend[5] is o
+    assert attend[9].dtype == torch.int32 and attend[9] is launches[3][1][9]
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -569,6 +571,39 @@ def test_ring_keys_split_across_programs(triton_backend, monkeypatch):
         want = op(**x, cache=caches[1], slots=slots)
     assert rel_error(got, want) < 1e-6
     assert torch.equal(caches[0].k, caches[1].k) and caches[0].lengths.tolist() == [299, 300]
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+def test_split_merge_every_step(name, triton_backend, monkeypatch):
+    """A prepared decode step whose keys are split across programs (flash-decoding) merges the splits'
+    partials in its one kernel: the last split of a query block to finish merges them and sets the
+    block's count back to zero, so the next step merges again. Four steps in a row on a cache of
+    some 300 keys, each against the PyTorch forms on a twin cache."""
+    op = shipped(name)
+    # a GPU of many multiprocessors, for whom one query's keys are split
+    monkeypatch.setattr(tuning, "multiprocessors", lambda device: 1024)
+    monkeypatch.setattr(tuning, "_remembered", functools.lru_cache(tuning._remembered.__wrapped__))
+    caches = []
+    for _ in range(2):
+        rows = dict(max_piece=1) if op.spec.mask == "sliding_window" else dict(max_len=320)
+        cache = attngen.StateCache(op, slots=3, heads=HKV, head_dim=K, value_dim=V, **rows)
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+        cache.lengths.copy_(torch.tensor([290, 0, 301], dtype=torch.int32))
+        caches.append(cache)
+    step = op.prepare_decode(caches[0], batch=2, heads=HQ)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for t in range(4):
+            x = {"q": torch.randn(2, 1, HQ, K, generator=gen), "k": torch.randn(2, 1, HKV, K, generator=gen),
+                 "v": torch.randn(2, 1, HKV, V, generator=gen)}
+            got = step(**x, slots=slots).clone()
+            monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+            want = op(**x, cache=caches[1], slots=slots)
+            monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+            assert rel_error(got, want) < 1e-5, f"step {t}"
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [294, 0, 305]
 
 
 SOFTMAX_BAD = {

@@ -2,8 +2,8 @@
 H = 8 query heads over H_kv = 2 (and MQA, H_kv = 1) key / value heads, outputs and gradients
 against the float64 oracle on the CPU (attngen.testing.compare), Tq = Tk and Tq < Tk; with lse,
 return_lse's log-sum-exp too and the gradients of a loss on o and on it, in a full call and a
-decode step whose keys the forward splits (flash-decoding: the combine kernel merges the partial
-lse).
+decode step whose keys the forward splits (flash-decoding: the last split program of a query block
+merges the partials by their lse).
 
 Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """

@@ -1,6 +1,6 @@
 """Serving on the GPU (compiled mode): a prompt prefilled through the StateCache and decoded token
 by token with a prepared step equals one forward over the whole sequence; a decode step captured
-in a CUDA graph and replayed equals eager decode; an eager step makes no host sync.
+in a CUDA graph and replayed equals eager decode (linear and softmax); an eager step makes no host sync.
 
 Run on a CUDA machine: bash gpu.sh tests/gpu/<this file>
 """
@@ -81,6 +81,47 @@ def test_graph_replay_equals_eager(name):
             torch.cuda.set_sync_debug_mode("default")
     assert rel_error(graphed.state, eager.state) < 1e-6
     assert graphed.state[[0, 2, 3]].abs().max() == 0
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+def test_softmax_graph_replay_equals_eager(name):
+    """A softmax decode step (its keys split across programs, whose last to finish merges the partials
+    and sets the count back for the next step) captured once in a CUDA graph and replayed on new
+    tokens equals the eager steps on a twin cache, step by step; the caches end equal."""
+    op = attngen.load(ROOT / "specs" / f"{name}.yaml")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = dict(max_piece=1) if op.spec.mask == "sliding_window" else dict(max_len=4096)
+    caches = [attngen.StateCache(op, slots=5, heads=2, head_dim=D, value_dim=D, device="cuda", dtype=torch.bfloat16,
+                                 **rows) for _ in range(2)]
+    for cache in caches:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda"))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator(device="cuda").manual_seed(2), device="cuda"))
+        cache.lengths.copy_(torch.tensor([3000, 0, 2047, 0, 3900], dtype=torch.int32))
+    slots = torch.tensor([4, -1, 2], dtype=torch.int32, device="cuda")
+
+    def token():
+        return {"q": torch.randn(B, 1, H, D, generator=gen, device="cuda", dtype=torch.bfloat16),
+                "k": torch.randn(B, 1, 2, D, generator=gen, device="cuda", dtype=torch.bfloat16),
+                "v": torch.randn(B, 1, 2, D, generator=gen, device="cuda", dtype=torch.bfloat16)}
+    with torch.no_grad():
+        step_e = op.prepare_decode(caches[0], B, dtype=torch.bfloat16, heads=H)
+        step_g = op.prepare_decode(caches[1], B, dtype=torch.bfloat16, heads=H)
+        static, static_slots = token(), slots.clone()
+        warm = attngen.StateCache(op, slots=5, heads=2, head_dim=D, value_dim=D, device="cuda", dtype=torch.bfloat16,
+                                  **rows)
+        op.prepare_decode(warm, B, dtype=torch.bfloat16, heads=H)(**static, slots=static_slots)  # compiles first
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step_g(**static, slots=static_slots)
+        for t in range(5):
+            x = token()
+            want = step_e(**x, slots=slots)
+            for n, buf in static.items():
+                buf.copy_(x[n])
+            graph.replay()
+            assert rel_error(out[[0, 2]], want[[0, 2]]) < 1e-6, t
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist()
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
 @pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "window_ring", "forgetting_attention",
