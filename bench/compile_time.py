@@ -1,7 +1,7 @@
 """Compile a spec's Triton kernels for Hopper (sm_90a) on any machine, GPU or not, and report each
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
-    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
+    python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--Tk N] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
         [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--module FILE]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
@@ -122,6 +122,8 @@ def main():
     p.add_argument("spec")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--T", type=int, default=63)
+    p.add_argument("--Tk", type=int, default=None, help="softmax specs: keys per sequence (default T; a decode "
+                   "shape, e.g. --T 1 --Tk 32768, takes the split-KV forward)")
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--B", type=int, default=1, help="sequences")
     p.add_argument("--H", type=int, default=2, help="heads (linear specs: query / key heads)")
@@ -184,8 +186,10 @@ def main():
         codegen.load_edited_module(spec, Path(args.module))
     op = attngen.load(args.spec)
     dtype = DTYPES[args.dtype]
+    if args.Tk is not None and op.spec.is_linear:
+        p.error(f"--Tk {args.Tk}: only softmax specs take keys apart from the queries")
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D,
-                  value_heads=args.H * args.group if op.spec.is_linear else None)
+                  value_heads=args.H * args.group if op.spec.is_linear else None, k_len=args.Tk)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape, seed=0).items()}
     if args.bwd:
         for t in inputs.values():
