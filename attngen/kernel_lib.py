@@ -505,49 +505,39 @@ def tile_descriptors(rows, *xs):
 def softmax_split_merge(
     # pointers
     o_part, lse_part, o, lse, split_count,
-    # the program's query rows: their offsets into o ([BM] rows of V) and lse, which are real (m_m)
-    i_count, i_q, o_lse, o_m, m_m, splits, o_split_stride, lse_split_stride,
-    V: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    # the block's count; its first query row's offsets into o ([tokens x H] rows of V, a row every H) and
+    # into lse, and its real rows
+    i_count, i_q0, o_lse0, n_rows, splits, o_split_stride, lse_split_stride,
+    H: tl.constexpr, V: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr,
 ):
     """Split-KV's merge, run by each of a query block's split programs after it stored its partial
-    output and lse: the last of them to finish merges all the block's partials, o = sum_s w_s o_s
-    with w_s = exp(lse_s - lse), lse = log sum_s exp(lse_s), and sets the block's count back to zero
-    for the next call. split_count [blocks] int32 (zeros before the first call) counts the block's
-    finished splits at i_count. The barrier puts every thread's stores of the partial before the
-    count is taken, whose release and acquire (GPU scope) order them before the last program's
-    loads, which bypass the SM's L1 (cache_modifier .cg: no line of an earlier call is read)."""
+    output and lse: the last of them to finish merges all the block's partials, row by row, each in one
+    load of its splits' [BS] lse and [BS, BV] outputs: o = sum_s w_s o_s with w_s = exp(lse_s - lse),
+    lse = log sum_s exp(lse_s); then it sets the block's count back to zero for the next call.
+    split_count [blocks] int32 (zeros before the first call) counts the block's finished splits at
+    i_count. The barrier puts every thread's stores of the partial before the count is taken, whose
+    release and acquire (GPU scope) order them before the last program's loads, which bypass the SM's
+    L1 (cache_modifier .cg: no line of an earlier call is read)."""
     tl.debug_barrier()
     done = tl.atomic_add(split_count + i_count, 1, sem="acq_rel", scope="gpu")
     if done == splits - 1:
+        o_s = tl.arange(0, BS)
         o_v = tl.arange(0, BV)
-        m_v = o_v < V
-        # [BM] the largest partial lse of each row, then the sum of their weights (float64)
-        b_max = tl.full([BM], float("-inf"), dtype=tl.float64)
-        for i_s in range(splits):
-            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
-                            cache_modifier=".cg").to(tl.float64)
-            b_max = tl.maximum(b_max, b_lse)
-        # a row no split saw (padding) has max -inf: weigh against 0 there, not -inf (no NaN)
-        b_ref = tl.where(b_max == float("-inf"), 0.0, b_max)
-        b_sum = tl.zeros([BM], dtype=tl.float64)
-        for i_s in range(splits):
-            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
-                            cache_modifier=".cg").to(tl.float64)
-            b_sum += tl.exp(b_lse - b_ref)
-        b_sum = tl.where(b_sum > 0, b_sum, 1.0)
-        # [BM, BV] the partials weighed by w_s
-        m_o = m_m[:, None] & m_v[None, :]
-        b_out = tl.zeros([BM, BV], dtype=o_part.dtype.element_ty)
-        for i_s in range(splits):
-            b_lse = tl.load(lse_part + i_s * lse_split_stride + o_lse + o_m, mask=m_m, other=float("-inf"),
-                            cache_modifier=".cg").to(tl.float64)
-            b_w = (tl.exp(b_lse - b_ref) / b_sum).to(o_part.dtype.element_ty)
-            b_o = tl.load(o_part + i_s * o_split_stride + i_q[:, None] * V + o_v[None, :], mask=m_o, other=0.0,
-                          cache_modifier=".cg")
-            b_out += b_o * b_w[:, None]
-        tl.store(o + i_q[:, None] * V + o_v[None, :], b_out.to(o.dtype.element_ty), mask=m_o)
-        b_lse = tl.where(b_max == float("-inf"), float("-inf"), b_ref + tl.log(b_sum))
-        tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
+        m_s, m_v = o_s < splits, o_v < V
+        for i_r in range(n_rows):
+            i_q = i_q0 + i_r * H
+            # [BS] the splits' lse of the row (float64); a split that saw no key of it has -inf
+            b_lse = tl.load(lse_part + o_s.to(tl.int64) * lse_split_stride + o_lse0 + i_r, mask=m_s,
+                            other=float("-inf"), cache_modifier=".cg").to(tl.float64)
+            b_max = tl.max(b_lse, 0)
+            b_w = tl.where(m_s, tl.exp(b_lse - b_max), 0.0)
+            b_sum = tl.sum(b_w, 0)
+            # [BS, BV]
+            b_o = tl.load(o_part + o_s[:, None].to(tl.int64) * o_split_stride + i_q * V + o_v[None, :],
+                          mask=m_s[:, None] & m_v[None, :], other=0.0, cache_modifier=".cg")
+            b_out = tl.sum(b_o * (b_w / b_sum).to(b_o.dtype)[:, None], 0)
+            tl.store(o + i_q * V + o_v, b_out.to(o.dtype.element_ty), mask=m_v)
+            tl.store(lse + o_lse0 + i_r, (b_max + tl.log(b_sum)).to(lse.dtype.element_ty))
         tl.store(split_count + i_count, 0)
 
 

@@ -128,7 +128,7 @@ def softmax_fwd_kernel(
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr, TMA: tl.constexpr, BS: tl.constexpr,
 ):
     # TMA: the key and value tiles come through k_desc, v_desc (tensor descriptors of k and v, the
     # launch's tma where tile_descriptor takes them), else by pointers
@@ -136,7 +136,7 @@ def softmax_fwd_kernel(
     # [i_split * split_len, (i_split + 1) * split_len) and stores its normalized partial output and
     # lse (float64) at o_part + i_split * o_split_stride, lse_part + i_split * lse_split_stride; the
     # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
-    # its count in split_count: no second launch)
+    # its count in split_count, BS the splits' power of two: no second launch)
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
     # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
@@ -236,8 +236,9 @@ def softmax_fwd_kernel(
         lse_s = lse_part + i_split.to(tl.int64) * lse_split_stride
         tl.store(o_s + i_q[:, None] * V + o_v[None, :], b_o.to(o_part.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
         tl.store(lse_s + o_lse + o_m, b_lse.to(lse_part.dtype.element_ty), mask=m_m)
-        softmax_split_merge(o_part, lse_part, o, lse, split_count, i_pid, i_q, o_lse, o_m, m_m, tl.num_programs(1),
-                            o_split_stride, lse_split_stride, V, BM, BV)
+        softmax_split_merge(o_part, lse_part, o, lse, split_count, i_pid, (q_bos + i_m * BM) * H + i_h, o_lse + i_m * BM,
+                            tl.minimum(BM, Tq_seq - i_m * BM), tl.num_programs(1), o_split_stride, lse_split_stride,
+                            H, V, BS, BV)
     else:
         tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
         tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
@@ -316,7 +317,7 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
     rest = (n_blocks, split_len, B * Tq * H * V, B * H * Tq)
     meta = dict(BM=BM, BN=BN, BK=BK, BV=BV, IS_VARLEN=varlen, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
                 DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-                LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, num_warps=launch.warps,
+                LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, BS=max(2, pow2_ceil(splits)), num_warps=launch.warps,
                 num_stages=launch.stages)
     # the key and value tiles by the copy engine where the launch says so (tma) and tile_descriptor takes
     # k and v; a cache's rows are a ring, read by pointers
