@@ -1,6 +1,6 @@
-"""Run a spec's forward (or its fla baseline's; --bwd: its forward and backward) twice at one shape, for
-Nsight Compute to profile one launch of a kernel of it (the second: --launch-skip 1 passes the first call's
-compilation and autotuning):
+"""Run a spec's forward (or its fla baseline's; --bwd: its forward and backward, after one forward that sizes
+the output gradient) twice at one shape, for Nsight Compute to profile one launch of a kernel of it (a later one:
+--launch-skip 1 passes the first call's compilation and autotuning):
 
     ncu --clock-control none -k regex:chunked_states_kernel --launch-skip 1 -c 1 --section SpeedOfLight \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
@@ -48,17 +48,11 @@ def main():
         run = lambda: baselines[0].fn(inputs)  # noqa: E731
     else:
         run = lambda: op(**inputs)  # noqa: E731
-    if args.bwd:
-        def step():
-            out = run()
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(torch.randn_like(out))
+    # bench.step: the forward, or (--bwd) a forward + backward with a fixed output gradient (sized by one forward)
+    step = bench.step(lambda: (lambda out: out[0] if isinstance(out, tuple) else out)(run()), args.bwd, inputs)
+    with torch.set_grad_enabled(args.bwd):
         for _ in range(2):
             step()
-    else:
-        with torch.no_grad():
-            for _ in range(2):
-                run()
     torch.cuda.synchronize()
 
 

@@ -263,17 +263,17 @@ def softmax_fwd_kernel(
     # [BM] natural-log lse = ln(2) * (max + log2(sum)), summed in float64 and rounded once (the
     # split-KV merge and the backward's P = exp2(s - lse2) amplify its error)
     b_lse = tl.where(m_seen, (b_m.to(tl.float64) + tl.log2(b_l.to(tl.float64))) * 0.6931471805599453, float("-inf"))
+    # the outputs, or this split's partials
+    o_dst, lse_dst = o, lse
     if SPLIT:
-        o_s = o_part + i_split.to(tl.int64) * o_split_stride
-        lse_s = lse_part + i_split.to(tl.int64) * lse_split_stride
-        tl.store(o_s + i_q[:, None] * V + o_v[None, :], b_o.to(o_part.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
-        tl.store(lse_s + o_lse + o_m, b_lse.to(lse_part.dtype.element_ty), mask=m_m)
+        o_dst = o_part + i_split.to(tl.int64) * o_split_stride
+        lse_dst = lse_part + i_split.to(tl.int64) * lse_split_stride
+    tl.store(o_dst + i_q[:, None] * V + o_v[None, :], b_o.to(o_dst.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
+    tl.store(lse_dst + o_lse + o_m, b_lse.to(lse_dst.dtype.element_ty), mask=m_m)
+    if SPLIT:
         softmax_split_merge(o_part, lse_part, o, lse, split_count, i_pid, (q_bos + i_m * BM) * H + i_h, o_lse + i_m * BM,
                             tl.minimum(BM, Tq_seq - i_m * BM), tl.num_programs(1), o_split_stride, lse_split_stride,
                             H, V, BS, BV)
-    else:
-        tl.store(o + i_q[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_m[:, None] & m_v[None, :])
-        tl.store(lse + o_lse + o_m, b_lse.to(lse.dtype.element_ty), mask=m_m)
 
 
 # The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
