@@ -2,7 +2,7 @@
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
     python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--Tk N] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
-        [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--module FILE]
+        [--decode] [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--module FILE]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -26,6 +26,9 @@ plain loads, whose latency the loop waits on where their value is used; a tile (
 those is worth a look (the state-gradient pass's stored dU, added to a product that Triton folded into
 its accumulator, was one: BENCHMARKS.md 2026-12-06, ninth run). --module FILE compiles an edited
 rendering of the spec's generated module in place of its own (as bench/probe_launch.py --module).
+--decode (softmax specs): a prepared decode step of --T tokens on a StateCache of --Tk rows per slot
+(op.prepare_decode, the serving call's kernels: the forward on the cache, appending the keys itself
+where they are one query block) in place of the op's call.
 """
 from __future__ import annotations
 
@@ -135,6 +138,8 @@ def main():
     p.add_argument("--group", type=int, default=1,
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
+    p.add_argument("--decode", action="store_true", help="softmax specs: a prepared decode step of --T tokens on a "
+                   "cache of --Tk rows")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
     p.add_argument("--ptx", default=None, metavar="DIR", help="write each kernel's PTX (no debug sections) into DIR")
     p.add_argument("--loops", action="store_true", help="each kernel's loops: their plain global loads and async copies")
@@ -164,6 +169,7 @@ def main():
     driver.set_active(Sm90Driver())
     os.environ["ATTNGEN_BACKEND"] = "triton"
     attngen.runtime._use_kernels = lambda spec, q: True   # the kernels, on CPU tensors, without the interpreter
+    attngen.runtime.route = lambda spec, device_type, dtype, head_dim=None: ("triton", "compile_time.py")
 
     if args.gpu:
         # the runtime's lookup as on that GPU (attngen.tuning.choose): its machine, its multiprocessors
@@ -188,6 +194,8 @@ def main():
     dtype = DTYPES[args.dtype]
     if args.Tk is not None and op.spec.is_linear:
         p.error(f"--Tk {args.Tk}: only softmax specs take keys apart from the queries")
+    if args.decode and (op.spec.is_linear or args.bwd):
+        p.error("--decode: a softmax spec's forward alone")
     shape = Shape(batch=args.B, q_len=args.T, heads=args.H, head_dim=args.D, value_dim=args.D,
                   value_heads=args.H * args.group if op.spec.is_linear else None, k_len=args.Tk)
     inputs = {n: (t.to(dtype) if n in ("q", "k", "v") else t) for n, t in random_inputs(op.spec, shape, seed=0).items()}
@@ -196,7 +204,16 @@ def main():
             if t.is_floating_point():
                 t.requires_grad_(True)
     t0 = time.perf_counter()
-    out = op(**inputs)
+    if args.decode:
+        rows = args.Tk or args.T
+        window = dict(max_piece=args.T) if op.spec.mask == "sliding_window" else dict(max_len=rows)
+        cache = attngen.StateCache(op, slots=args.B, heads=args.H, head_dim=args.D, value_dim=args.D, dtype=dtype,
+                                   **window)
+        step = op.prepare_decode(cache, args.B, tokens=args.T, dtype=dtype)
+        out = step(**{n: inputs[n][:, -args.T:] for n in ("q", "k", "v")},
+                   slots=torch.arange(args.B, dtype=torch.int32))
+    else:
+        out = op(**inputs)
     if args.bwd:
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     total = time.perf_counter() - t0

@@ -4,17 +4,21 @@ fla's fused recurrent gated delta rule (initial_state in, final state out: its d
 graph, when fla is installed), outputs compared.
 
     python bench/decode.py [--batch 1,64,256] [--slots 512]
-    python bench/decode.py --softmax [--batch 1,64] [--keys 32768] [--host]
+    python bench/decode.py --softmax [--batch 1,64] [--keys 32768] [--host] [--no-flex]
 
 --softmax: softmax_causal's decode step (op.prepare_decode on a StateCache whose slots hold --keys - 1
 keys: each step appends one and attends to --keys, split over the keys), eager and from a graph, each
 step with the cache lengths set back (a fill_ of B ints, in the timed call) so every step reads the
-same keys; against SDPA and FlexAttention (compiled) of one query on [B, H, keys, D] contiguous keys
-and values; the effective cache bandwidth (keys and values read once) of the graph of one step.
+same keys; per step of a graph of STEPS steps with one fill_ before them (the steps read --keys -
+STEPS + 1 to --keys keys); against SDPA and FlexAttention (compiled) of one query on [B, H, keys, D]
+contiguous keys and values, SDPA also per call of a graph of STEPS calls; the effective cache
+bandwidth (keys and values read once) of the graph of one step; then the GPU time of each kernel of
+an eager step (torch.profiler, mean of 50 steps, slowest first).
 
 --host (with --softmax): per batch, where the eager step's host time goes: the step's wall time per call
 on the host (no sync; the GPU runs behind), and the part of it spent inside each Triton launch
-(kv_append_kernel, softmax_fwd_kernel: the split-KV merge runs inside it) and in the cache lengths' fill_.
+(softmax_fwd_kernel, which appends the keys and merges the split-KV partials inside it; kv_append_kernel
+where a step launches it) and in the cache lengths' fill_.
 
 Per row: microseconds per step (median of do_bench): eager, replayed from a graph of one step,
 and per step of a graph of STEPS steps (as a served model replays one graph per token, whose
@@ -37,6 +41,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
 from attngen import runtime  # noqa: E402
+from attngen.bench import profile  # noqa: E402
 
 H, K, V = 16, 128, 128
 STEPS = 16
@@ -56,19 +61,22 @@ def us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def softmax_decode(batches: list[int], keys: int) -> None:
+def softmax_decode(batches: list[int], keys: int, with_flex: bool = True) -> None:
     """Rows of softmax_causal's prepared decode step against SDPA and FlexAttention (see the header)."""
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "softmax_causal.yaml")
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    flex = None
     try:
-        from torch.nn.attention.flex_attention import flex_attention
-        flex = torch.compile(flex_attention)
+        if with_flex:
+            from torch.nn.attention.flex_attention import flex_attention
+            flex = torch.compile(flex_attention)
     except ImportError as e:
-        flex = None
         print(f"FlexAttention unavailable ({e})")
     print(f"softmax_causal decode, one query against {keys} keys, H{H} D{K} bf16")
-    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {'TB/s':>6} {'SDPA us':>8} {'Flex us':>8} {'rel diff':>9}")
+    print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6} {'SDPA us':>8} "
+          f"{f'x{STEPS} us':>7} {'Flex us':>8} {'rel diff':>9}")
     torch.manual_seed(0)
+    kernels = []
     for batch in map(int, batches):
         cache = attngen.StateCache(op, slots=batch, heads=H, head_dim=K, value_dim=V, device="cuda",
                                    dtype=torch.bfloat16, max_len=keys)
@@ -84,19 +92,31 @@ def softmax_decode(batches: list[int], keys: int) -> None:
                 cache.lengths.fill_(keys - 1)
                 return step(q, k, v, slots=slots)
 
+            def steps():
+                cache.lengths.fill_(keys - STEPS)
+                for _ in range(STEPS):
+                    step(q, k, v, slots=slots)
+
             t_eager = us(one)
             t_graph = us(graphed(one))
+            t_steps = us(graphed(steps)) / STEPS
+            kernels.append((batch, profile(one, reps=50)))
             o = one()
             # the baselines' layout [B, H, keys, D], the new token's key and value in place
             kt, vt = (c[:, :keys].transpose(1, 2).contiguous() for c in (cache.k, cache.v))
             qt = q.transpose(1, 2).contiguous()
             t_sdpa = us(lambda: sdpa(qt, kt, vt))
+            t_sdpa_steps = us(graphed(lambda: [sdpa(qt, kt, vt) for _ in range(STEPS)])) / STEPS
             ref = sdpa(qt, kt, vt).transpose(1, 2)
             t_flex = us(lambda: flex(qt, kt, vt)) if flex is not None else float("nan")
             diff = float((o.float() - ref.float()).norm() / ref.float().norm())
         read = batch * keys * H * (K + V) * 2   # bf16 keys and values
-        print(f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {read / t_graph / 1e6:>6.2f} {t_sdpa:>8.1f} {t_flex:>8.1f} "
-              f"{diff:>9.1e}")
+        print(f"{batch:>5} {t_eager:>9.1f} {t_graph:>9.1f} {t_steps:>7.1f} {read / t_graph / 1e6:>6.2f} {t_sdpa:>8.1f} "
+              f"{t_sdpa_steps:>7.1f} {t_flex:>8.1f} {diff:>9.1e}")
+    print("kernels of an eager step, mean GPU us (torch.profiler)")
+    for batch, times in kernels:
+        print(f"{batch:>5} " + "  ".join(f"{name[:32]} {t:.1f}" for name, t in times))
+
 
 
 class _Timed:
@@ -168,12 +188,13 @@ def main() -> None:
     parser.add_argument("--softmax", action="store_true", help="softmax_causal's decode against SDPA and Flex")
     parser.add_argument("--keys", type=int, default=32768, help="--softmax: the keys each query attends to")
     parser.add_argument("--host", action="store_true", help="--softmax: where the eager step's host time goes")
+    parser.add_argument("--no-flex", action="store_true", help="--softmax: no FlexAttention (its compilation)")
     args = parser.parse_args()
     if args.softmax and args.host:
         softmax_decode_host((args.batch or "1,64").split(","), args.keys)
         return
     if args.softmax:
-        softmax_decode((args.batch or "1,64").split(","), args.keys)
+        softmax_decode((args.batch or "1,64").split(","), args.keys, not args.no_flex)
         return
     args.batch = args.batch or "1,64,256"
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml")
