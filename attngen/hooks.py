@@ -733,6 +733,13 @@ class ScoreBias:
         return ("GC",) if self.biased else ()
 
     @property
+    def forward_appends(self) -> bool:
+        """Whether a decode call's forward kernel appends its new keys and values to the cache itself (no
+        append launch): without a bias there is nothing else to write; a decay's new G continues the slot's
+        last, which every program of the call reads."""
+        return not self.biased
+
+    @property
     def new_decays(self) -> str:
         """What a serving call hands its append: the new positions' log decays g, or nothing."""
         return "g" if self.biased else "None"

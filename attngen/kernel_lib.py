@@ -28,8 +28,8 @@ __all__ = ["BIDIRECTIONAL_MIN_TILES", "BIDIRECTIONAL_SPAN_TILES", "LOG2E", "SEGM
            "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel",
            "chunked_segment_transition", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
-           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_bwd_preprocess_kernel",
-           "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
+           "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_append_done",
+           "softmax_append_rows", "softmax_bwd_preprocess_kernel", "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
            "softmax_segment_cumsum_kernel", "softmax_split_merge", "tile_descriptor", "tile_descriptors"]
 
 LOG2E = 1.4426950408889634
@@ -497,8 +497,52 @@ def tile_descriptors(rows, *xs):
 
 
 # --------------------------------------------------------------------------- softmax kernels
-# The softmax kernels and helpers that no spec changes: the merge of split-KV partials, the backward's preprocess and,
-# for a scalar decay's score bias (forgetting attention), the cumsums of its log decays.
+# The softmax kernels and helpers that no spec changes: the merge of split-KV partials, a decode call's append inside
+# the forward, the backward's preprocess and, for a scalar decay's score bias (forgetting attention), the cumsums of
+# its log decays.
+
+
+@triton.jit
+def softmax_append_rows(
+    # pointers
+    k_new, v_new, k_cache, v_cache,
+    # the new tokens' first row in k_new, v_new; the slot's first row in the cache; its held keys; the new tokens
+    q_bos, k_bos, n_held, T_new, L, i_hk,
+    HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """A serving call's append inside its forward kernel (at most BT new tokens): the new keys and values of
+    key head i_hk (rows q_bos + t of k_new, v_new [tokens, HK, *]) written to the slot's rows
+    k_bos + (n_held + t) % L of the cache [S * L, HK, *], then a barrier, after which the program's threads
+    read them back from the cache with the rest. Every program whose keys reach the new positions writes them
+    (a group's query heads the same values): no program reads a row another one may not have written yet."""
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_t = o_t < T_new
+    # [BT] the tokens' rows in the input and in the slot
+    i_src = (q_bos + o_t) * HK + i_hk
+    i_dst = (k_bos + (n_held + o_t) % L) * HK + i_hk
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    tl.store(k_cache + i_dst[:, None] * K + o_k[None, :],
+             tl.load(k_new + i_src[:, None] * K + o_k[None, :], mask=m_tk, other=0.0), mask=m_tk)
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    tl.store(v_cache + i_dst[:, None] * V + o_v[None, :],
+             tl.load(v_new + i_src[:, None] * V + o_v[None, :], mask=m_tv, other=0.0), mask=m_tv)
+    tl.debug_barrier()
+
+
+@triton.jit
+def softmax_append_done(seq_count, length, new_length, programs):
+    """A serving call's append inside its forward kernel, last part: each of a sequence's `programs` programs
+    counts itself done at seq_count (int32, zero before the first call) when it finished, having read the
+    slot's length at its start; the last one sets the length to new_length and the count back to zero. The
+    barrier and the count's release and acquire (GPU scope) order every program's read of the length before
+    the store."""
+    tl.debug_barrier()
+    done = tl.atomic_add(seq_count, 1, sem="acq_rel", scope="gpu")
+    if done == programs - 1:
+        tl.store(length, new_length.to(length.dtype.element_ty))
+        tl.store(seq_count, 0)
 
 
 @triton.jit

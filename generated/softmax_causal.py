@@ -31,8 +31,9 @@ import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor,
-                                softmax_bwd_preprocess_kernel, softmax_kv_split_len, softmax_lse_dtype, softmax_scaled,
-                                softmax_split_merge, tile_descriptors)
+                                softmax_append_done, softmax_append_rows, softmax_bwd_preprocess_kernel,
+                                softmax_kv_split_len, softmax_lse_dtype, softmax_scaled, softmax_split_merge,
+                                tile_descriptors)
 
 SPEC_NAME = "softmax_causal"
 SPEC_HASH = "dfdb521cefe6f4ba"
@@ -54,7 +55,8 @@ FORMS = ('parallel',)
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
 # KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
 # a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
-# this call's own appended first by kv_append_kernel.
+# this call's own appended first by kv_append_kernel, or by the forward kernel itself where
+# they are one query block (APPEND).
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).
@@ -122,13 +124,15 @@ def softmax_fwd_tiles(
 def softmax_fwd_kernel(
     # pointers
     q, k, v, k_desc, v_desc, o, lse, o_part, lse_part, split_count, cu_seqlens, kv_slots, kv_lens,
+    k_new, v_new, seq_count,
     # dims
     Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
     # meta
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IS_VARLEN: tl.constexpr, IS_FP64: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr, TMA: tl.constexpr, BS: tl.constexpr,
+    SPLIT: tl.constexpr, LAST_FIRST: tl.constexpr, KV_CACHE: tl.constexpr, APPEND: tl.constexpr, TMA: tl.constexpr,
+    BS: tl.constexpr,
 ):
     # TMA: the key and value tiles come through k_desc, v_desc (tensor descriptors of k and v, the
     # launch's tma where tile_descriptor takes them), else by pointers
@@ -137,6 +141,10 @@ def softmax_fwd_kernel(
     # lse (float64) at o_part + i_split * o_split_stride, lse_part + i_split * lse_split_stride; the
     # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
     # its count in split_count, BS the splits' power of two: no second launch)
+    # APPEND (KV_CACHE, one query block: a decode step): this call's new keys and values k_new, v_new (the
+    # queries' tokens) are not in the cache yet; the programs that read their positions write them there
+    # first (softmax_append_rows) and the sequence's last program to finish advances the slot's length
+    # (softmax_append_done, its count in seq_count): no append launch before this one
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
     # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
@@ -170,6 +178,10 @@ def softmax_fwd_kernel(
             return
         k_bos = i_slot * L
         Tk_seq = tl.load(kv_lens + i_slot).to(tl.int32)
+        if APPEND:
+            # the slot's held keys, then this call's Tq_seq new ones
+            n_held = Tk_seq
+            Tk_seq = n_held + Tq_seq
     # the grid covers the longest sequence: blocks past this one's end have nothing to do
     if i_m * BM >= Tq_seq:
         return
@@ -206,6 +218,10 @@ def softmax_fwd_kernel(
         i_full = tl.minimum(tl.maximum(i_full, s_lo), s_hi)
         i_edge = tl.minimum(tl.maximum(i_edge, s_lo), s_hi)
         hi = tl.minimum(tl.maximum(hi, s_lo), s_hi)
+    if APPEND:
+        # a program whose keys reach the new positions writes their rows of its key head first
+        if (hi > n_held) & (hi > lo):
+            softmax_append_rows(k_new, v_new, k, v, q_bos, k_bos, n_held, Tq_seq, L, i_hk, HK, K, V, BM, BK, BV)
 
     # [BM] running max and sum of exp2(score - max); [BM, BV] running output
     b_m = tl.full([BM], float("-inf"), dtype=ACC)
@@ -238,6 +254,9 @@ def softmax_fwd_kernel(
         softmax_split_merge(o_part, lse_part, o, lse, split_count, i_pid, (q_bos + i_m * BM) * H + i_h, o_lse + i_m * BM,
                             tl.minimum(BM, Tq_seq - i_m * BM), tl.num_programs(1), o_split_stride, lse_split_stride,
                             H, V, BS, BV)
+    if APPEND:
+        # every program of the sequence (its heads' splits) read the slot's length: the last one advances it
+        softmax_append_done(seq_count + i_n, kv_lens + i_slot, Tk_seq, H * tl.num_programs(1))
 
 
 # The launch knobs of a call (tile sizes, warps, stages, launch order, the split of the keys; the
@@ -276,13 +295,15 @@ def softmax_fwd(q, k, v, g, cu_seqlens, scale, max_len, launch, kv_slots=None, k
     return o, lse
 
 
-def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
+def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch, append=False):
     """The forward's launch for calls shaped as q, k, v (softmax_fwd's; N sequences, the longest
-    max_len; varlen: packed by cu_seqlens; cached: k and v are a cache; launch a SoftmaxLaunch), its
-    grids, blocks and constexprs fixed here once, and its outputs allocated: (run, o, lse), where
-    run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale) launches softmax_fwd_kernel (the split merge
-    in it), writing o and lse, the same tensors every call (a prepared decode step's; qk_scale the scale in
-    log2 units, 1 for float64 inputs, whose q carries it)."""
+    max_len; varlen: packed by cu_seqlens; cached: k and v are a cache; launch a SoftmaxLaunch; append:
+    the call's new keys and values appended to the cache by this kernel, at most one query block of
+    them), its grids, blocks and constexprs fixed here once, and its outputs allocated: (run, o, lse),
+    where run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale, k_new=None, v_new=None) launches
+    softmax_fwd_kernel (the split merge in it; with append, k_new and v_new appended), writing o and lse,
+    the same tensors every call (a prepared decode step's; qk_scale the scale in log2 units, 1 for float64
+    inputs, whose q carries it)."""
     B, Tq, H, K = q.shape
     Tk, HK, V = k.shape[1], k.shape[2], v.shape[-1]
     is_fp64 = q.dtype == torch.float64
@@ -299,6 +320,7 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
     # the split forward reads dense sequences: packed ones are not split
     splits, split_len = (1, Tk) if varlen else softmax_kv_split_len(span, launch.kv_splits, BN)
     n_blocks = ceil_div(max_len, BM)
+    assert not append or (cached and n_blocks == 1), "the append inside the forward takes one query block"
     grid = (n_blocks * N * H, splits)
     # split-KV: the splits' partial outputs, float32 (float64 for float64 inputs), lse, float64, and the
     # count of each query block's finished splits (zeros; the merge sets them back)
@@ -308,21 +330,24 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch):
         o_part = q.new_empty(splits, B, Tq, H, V, dtype=acc)
         lse_part = q.new_empty(splits, B, H, Tq, dtype=torch.float64)
         split_count = torch.zeros(grid[0], device=q.device, dtype=torch.int32)
+    # the append's count of each sequence's finished programs (zeros; the last program sets them back)
+    seq_count = torch.zeros(N, device=q.device, dtype=torch.int32) if append else None
     # Tq, Tk, S, L, H, HK, K, V; after qk_scale, the blocks and the partials' strides
     dims = (Tq, Tk, k.shape[0], Tk, H, HK, K, V)
     rest = (n_blocks, split_len, B * Tq * H * V, B * H * Tq)
     meta = dict(BM=BM, BN=BN, BK=BK, BV=BV, IS_VARLEN=varlen, IS_FP64=is_fp64, UPCAST_DOT=upcast_dot,
                 DOT_PRECISION="ieee" if q.element_size() >= 4 or upcast_dot else "tf32", SPLIT=splits > 1,
-                LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, BS=max(2, pow2_ceil(splits)), num_warps=launch.warps,
-                num_stages=launch.stages)
+                LAST_FIRST=bool(launch.last_first), KV_CACHE=cached, APPEND=append, BS=max(2, pow2_ceil(splits)),
+                num_warps=launch.warps, num_stages=launch.stages)
     # the key and value tiles by the copy engine where the launch says so (tma) and tile_descriptor takes
     # k and v; a cache's rows are a ring, read by pointers
     tma = bool(launch.tma) and not cached
 
-    def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale):
+    def run(q, k, v, cu_seqlens, kv_slots, kv_lens, qk_scale, k_new=None, v_new=None):
         k_desc, v_desc = tile_descriptors(BN, k, v) if tma else (None, None)
         softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, o, lse, o_part, lse_part, split_count, cu_seqlens,
-                                 kv_slots, kv_lens, *dims, qk_scale, *rest, TMA=k_desc is not None, **meta)
+                                 kv_slots, kv_lens, k_new, v_new, seq_count, *dims, qk_scale, *rest,
+                                 TMA=k_desc is not None, **meta)
 
     return run, o, lse
 
@@ -371,7 +396,7 @@ def kv_append_kernel(
 def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
     """A serving call: the new keys and values k, v [B, T, HK, *] (T == Tq) appended to each
     sequence's slot kv_slots[n] of the cache k_cache, v_cache [S, L, HK, *] (kv_lens [S] int32
-    advanced by each sequence's length), then its queries attend to the slot's keys (launch a
+    advanced by each sequence's length), and its queries attend to the slot's keys (launch a
     SoftmaxLaunch) -> o, lse."""
     run, o, lse = softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len,
                                         launch)
@@ -382,7 +407,7 @@ def softmax_cached_fwd(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens,
 def softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqlens, scale, max_len, launch):
     """softmax_cached_fwd's launches fixed once for calls shaped as this one, on this cache (and
     cu_seqlens): (run, o, lse), where run(q, k, v, g, kv_slots) appends and attends (g unused: None), writing
-    o and lse, the same tensors every call, and returns o (a prepared decode step's call)."""
+    o and lse, the same tensors every call, and returns o (a prepared decode step's call: one launch)."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -393,12 +418,17 @@ def softmax_cached_launch(q, k, v, k_cache, v_cache, kv_lens, kv_slots, cu_seqle
     BT = max(1, min(64, 8192 // max(BKC, BVC)))
     append_meta = dict(BT=BT, BKC=BKC, BVC=BVC, IS_VARLEN=cu_seqlens is not None, num_warps=4)
     max_len = T if cu_seqlens is None else packed_max_len(cu_seqlens, max_len)
-    attend, o, lse = softmax_fwd_launch(q, k_cache, v_cache, N, max_len, cu_seqlens is not None, True, launch)
+    # a call of at most one query block of tokens (a decode step) has the forward kernel append its keys and
+    # values itself; a longer one (a prefill piece), kv_append_kernel first
+    fused = max_len <= launch.BM
+    attend, o, lse = softmax_fwd_launch(q, k_cache, v_cache, N, max_len, cu_seqlens is not None, True, launch, fused)
 
     def run(q, k, v, g, kv_slots):
-        kv_append_kernel[(N,)](k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, S, L, KC, VC, **append_meta)
+        if not fused:
+            kv_append_kernel[(N,)](k, v, k_cache, v_cache, kv_slots, kv_lens, cu_seqlens, T, S, L, KC, VC,
+                                   **append_meta)
         q_run, qk_scale = softmax_scaled(q, scale)
-        attend(q_run, k_cache, v_cache, cu_seqlens, kv_slots, kv_lens, qk_scale)
+        attend(q_run, k_cache, v_cache, cu_seqlens, kv_slots, kv_lens, qk_scale, k, v)
         return o
 
     return run, o, lse

@@ -486,10 +486,10 @@ def test_softmax_continuous_batching(name, backend):
 
 @pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
 def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
-    """A prepared softmax step's call reads tensor metadata and launches the append and the split
-    forward (which merges its partials itself), in place on the cache, into buffers allocated when it
-    was prepared: no allocation, no copy, no host read of a tensor; it returns the same output
-    tensor every call."""
+    """A prepared softmax step's call reads tensor metadata and launches the split forward alone (which
+    appends the new keys and values to the cache and merges its partials itself), in place on the cache,
+    into buffers allocated when it was prepared: no allocation, no copy, no host read of a tensor; it
+    returns the same output tensor every call."""
     op = softmax_op(name)
     module = runtime.kernels_for(op)
     launches = []
@@ -516,15 +516,18 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     assert set(calls.names) <= HOST_METADATA, sorted(set(calls.names) - HOST_METADATA)
     assert again is o and tuple(o.shape) == (2, 1, HQ, V)
     names = [n for n, _, _ in launches]
-    assert names == ["kv_append_kernel", "softmax_fwd_kernel"] * 2, names
-    (_, append, _), (_, attend, meta) = launches[:2]
-    assert append[2] is cache.k and append[3] is cache.v and append[4] is slots and append[5] is cache.lengths
+    assert names == ["softmax_fwd_kernel"] * 2, names
+    (_, attend, meta), (_, again_args, _) = launches
     assert attend[1] is cache.k and attend[2] is cache.v and attend[11] is slots and attend[12] is cache.lengths
+    # the new keys and values, appended by the kernel: the call's own tensors
+    assert meta["APPEND"] and attend[13] is batch["k"] and attend[14] is batch["v"]
     # a cache's rows are a ring: read by pointers, not tensor descriptors
     assert attend[3] is None and attend[4] is None and not meta["TMA"]
-    # the merged output is the step's; the partials and the splits' counts are the step's own buffers
+    # the merged output is the step's; the partials, the splits' and the sequences' counts are the step's
+    # own buffers
     assert meta["SPLIT"] and meta["KV_CACHE"] and attend[5] is o
-    assert attend[9].dtype == torch.int32 and attend[9] is launches[3][1][9]
+    for i in (9, 15):
+        assert attend[i].dtype == torch.int32 and attend[i] is again_args[i]
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -604,6 +607,48 @@ def test_split_merge_every_step(name, triton_backend, monkeypatch):
             monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
             assert rel_error(got, want) < 1e-5, f"step {t}"
     assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [294, 0, 305]
+
+
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+def test_appends_by_launch_and_inside_the_forward(name, triton_backend, monkeypatch):
+    """A serving call of more tokens than one query block (a prefill piece) appends its keys and values by
+    kv_append_kernel before the forward; a decode step's forward kernel appends them itself (the programs
+    that read the new positions write them, the last to finish advances the length). Both, one after the
+    other on a cache, equal the PyTorch forms on a twin cache: the outputs, the cache's rows and lengths."""
+    op = shipped(name)
+    module = runtime.kernels_for(op)
+    appends = []
+    kernel = module.kv_append_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            appends.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, "kv_append_kernel", Counted())
+    caches = []
+    for _ in range(2):
+        rows = dict(max_piece=80) if op.spec.mask == "sliding_window" else dict(max_len=96)
+        caches.append(attngen.StateCache(op, slots=3, heads=HKV, head_dim=K, value_dim=V, **rows))
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+
+    def inputs(T):
+        return {"q": torch.randn(2, T, HQ, K, generator=gen), "k": torch.randn(2, T, HKV, K, generator=gen),
+                "v": torch.randn(2, T, HKV, V, generator=gen)}
+
+    step = op.prepare_decode(caches[0], batch=2, heads=HQ)
+    with torch.no_grad():
+        for T in (77, 1, 1, 1):
+            x = inputs(T)
+            got = (op(**x, cache=caches[0], slots=slots) if T > 1 else step(**x, slots=slots)).clone()
+            monkeypatch.setenv("ATTNGEN_BACKEND", "torch")
+            want = op(**x, cache=caches[1], slots=slots)
+            monkeypatch.setenv("ATTNGEN_BACKEND", "triton")
+            assert rel_error(got, want) < 1e-5, f"{T} tokens"
+            assert len(appends) == 1, f"{T} tokens: {len(appends)} append launches"
+    assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [80, 0, 80]
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
 SOFTMAX_BAD = {
