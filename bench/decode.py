@@ -118,7 +118,6 @@ def softmax_decode(batches: list[int], keys: int, with_flex: bool = True) -> Non
         print(f"{batch:>5} " + "  ".join(f"{name[:32]} {t:.1f}" for name, t in times))
 
 
-
 class _Timed:
     """A Triton kernel whose launches add their host time to `spent[name]`."""
 
