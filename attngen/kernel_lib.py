@@ -510,11 +510,11 @@ def softmax_append_rows(
     q_bos, k_bos, n_held, T_new, L, i_hk,
     HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """A serving call's append inside its forward kernel (at most BT new tokens): the new keys and values of
-    key head i_hk (rows q_bos + t of k_new, v_new [tokens, HK, *]) written to the slot's rows
-    k_bos + (n_held + t) % L of the cache [S * L, HK, *], then a barrier, after which the program's threads
-    read them back from the cache with the rest. Every program whose keys reach the new positions writes them
-    (a group's query heads the same values): no program reads a row another one may not have written yet."""
+    """A serving call's append of at most BT new tokens: the new keys and values of key head i_hk (rows
+    q_bos + t of k_new, v_new [tokens, HK, *]) written to the slot's rows k_bos + (n_held + t) % L of the
+    cache [S * L, HK, *]. kv_append_kernel calls it by BT tokens (a token's HK heads as one row: HK 1); the
+    forward kernel, appending a decode step's tokens itself, calls it and then a barrier, after which its
+    threads read them back from the cache with the rest."""
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = tl.arange(0, BV)
@@ -528,7 +528,6 @@ def softmax_append_rows(
     m_tv = m_t[:, None] & (o_v < V)[None, :]
     tl.store(v_cache + i_dst[:, None] * V + o_v[None, :],
              tl.load(v_new + i_src[:, None] * V + o_v[None, :], mask=m_tv, other=0.0), mask=m_tv)
-    tl.debug_barrier()
 
 
 @triton.jit

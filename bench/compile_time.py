@@ -210,7 +210,7 @@ def main():
         cache = attngen.StateCache(op, slots=args.B, heads=args.H, head_dim=args.D, value_dim=args.D, dtype=dtype,
                                    **window)
         step = op.prepare_decode(cache, args.B, tokens=args.T, dtype=dtype)
-        out = step(**{n: inputs[n][:, -args.T:] for n in ("q", "k", "v")},
+        out = step(**{n: inputs[n][:, -args.T:].contiguous() for n in ("q", "k", "v")},
                    slots=torch.arange(args.B, dtype=torch.int32))
     else:
         out = op(**inputs)

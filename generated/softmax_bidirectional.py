@@ -214,9 +214,12 @@ def softmax_fwd_kernel(
         i_edge = tl.minimum(tl.maximum(i_edge, s_lo), s_hi)
         hi = tl.minimum(tl.maximum(hi, s_lo), s_hi)
     if APPEND:
-        # a program whose keys reach the new positions writes their rows of its key head first
+        # a program whose keys reach the new positions writes their rows of its key head first (every such
+        # program: a group's query heads the same values), then reads them back after the barrier: no
+        # program reads a row another one may not have written yet
         if (hi > n_held) & (hi > lo):
             softmax_append_rows(k_new, v_new, k, v, q_bos, k_bos, n_held, Tq_seq, L, i_hk, HK, K, V, BM, BK, BV)
+            tl.debug_barrier()
 
     # [BM] running max and sum of exp2(score - max); [BM, BV] running output
     b_m = tl.full([BM], float("-inf"), dtype=ACC)

@@ -219,9 +219,12 @@ def softmax_fwd_kernel(
         i_edge = tl.minimum(tl.maximum(i_edge, s_lo), s_hi)
         hi = tl.minimum(tl.maximum(hi, s_lo), s_hi)
     if APPEND:
-        # a program whose keys reach the new positions writes their rows of its key head first
+        # a program whose keys reach the new positions writes their rows of its key head first (every such
+        # program: a group's query heads the same values), then reads them back after the barrier: no
+        # program reads a row another one may not have written yet
         if (hi > n_held) & (hi > lo):
             softmax_append_rows(k_new, v_new, k, v, q_bos, k_bos, n_held, Tq_seq, L, i_hk, HK, K, V, BM, BK, BV)
+            tl.debug_barrier()
 
     # [BM] running max and sum of exp2(score - max); [BM, BV] running output
     b_m = tl.full([BM], float("-inf"), dtype=ACC)
@@ -375,21 +378,10 @@ def kv_append_kernel(
     # a slot outside [0, S) (padding) stores nothing
     if (i_slot >= 0) & (i_slot < S):
         b_len = tl.load(kv_lens + i_slot).to(tl.int64)
-        o_kc = tl.arange(0, BKC)
-        o_vc = tl.arange(0, BVC)
         for i_t in range(0, T_seq, BT):
-            o_t = i_t + tl.arange(0, BT)
-            m_t = o_t < T_seq
-            # [BT] the tokens' rows in the input and in the slot
-            o_src = bos + o_t
-            o_dst = i_slot * L + (b_len + o_t) % L
-            # [BT, BKC], [BT, BVC]
-            m_k = m_t[:, None] & (o_kc < KC)[None, :]
-            tl.store(k_cache + o_dst[:, None] * KC + o_kc[None, :],
-                     tl.load(k + o_src[:, None] * KC + o_kc[None, :], mask=m_k, other=0.0), mask=m_k)
-            m_v = m_t[:, None] & (o_vc < VC)[None, :]
-            tl.store(v_cache + o_dst[:, None] * VC + o_vc[None, :],
-                     tl.load(v + o_src[:, None] * VC + o_vc[None, :], mask=m_v, other=0.0), mask=m_v)
+            # tokens i_t .. i_t + BT, a token's HK heads as one row of KC and VC elements
+            softmax_append_rows(k, v, k_cache, v_cache, bos + i_t, i_slot * L, b_len + i_t, T_seq - i_t, L, 0,
+                                1, KC, VC, BT, BKC, BVC)
         tl.store(kv_lens + i_slot, (b_len + T_seq).to(kv_lens.dtype.element_ty))
 
 
