@@ -733,11 +733,11 @@ class ScoreBias:
         return ("GC",) if self.biased else ()
 
     @property
-    def forward_appends(self) -> bool:
-        """Whether a decode call's forward kernel appends its new keys and values to the cache itself (no
-        append launch): without a bias there is nothing else to write; a decay's new G continues the slot's
-        last, which every program of the call reads."""
-        return not self.biased
+    def new_pointers(self) -> str:
+        """A decode call's forward kernel, appending its new keys and values itself, takes the new positions'
+        log decays g_new too: each program continues the slot's last G by them, for its queries, and the
+        programs that read the new positions store them."""
+        return "g_new, " if self.biased else ""
 
     @property
     def new_decays(self) -> str:

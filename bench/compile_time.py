@@ -207,10 +207,11 @@ def main():
     if args.decode:
         rows = args.Tk or args.T
         window = dict(max_piece=args.T) if op.spec.mask == "sliding_window" else dict(max_len=rows)
+        decay = op.spec.decay == "scalar"
         cache = attngen.StateCache(op, slots=args.B, heads=args.H, head_dim=args.D, value_dim=args.D, dtype=dtype,
-                                   **window)
+                                   **window, **(dict(query_heads=args.H) if decay else {}))
         step = op.prepare_decode(cache, args.B, tokens=args.T, dtype=dtype)
-        out = step(**{n: inputs[n][:, -args.T:].contiguous() for n in ("q", "k", "v")},
+        out = step(**{n: inputs[n][:, -args.T:].contiguous() for n in ("q", "k", "v") + (("g",) if decay else ())},
                    slots=torch.arange(args.B, dtype=torch.int32))
     else:
         out = op(**inputs)

@@ -4,9 +4,11 @@ fla's fused recurrent gated delta rule (initial_state in, final state out: its d
 graph, when fla is installed), outputs compared.
 
     python bench/decode.py [--batch 1,64,256] [--slots 512]
-    python bench/decode.py --softmax [--batch 1,64] [--keys 32768] [--host] [--no-flex]
+    python bench/decode.py --softmax [--batch 1,64] [--keys 32768] [--host] [--no-flex] [--spec NAME]
 
---softmax: softmax_causal's decode step (op.prepare_decode on a StateCache whose slots hold --keys - 1
+--softmax: softmax_causal's decode step (or --spec's: forgetting_attention, whose held G and new gates are
+random log decays near 0, against SDPA with the decay's bias as a bf16 attn_mask, no FlexAttention)
+(op.prepare_decode on a StateCache whose slots hold --keys - 1
 keys: each step appends one and attends to --keys, split over the keys), eager and from a graph, each
 step with the cache lengths set back (a fill_ of B ints, in the timed call) so every step reads the
 same keys; per step of a graph of STEPS steps with one fill_ before them (the steps read --keys -
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
 from attngen import runtime  # noqa: E402
 from attngen.bench import profile  # noqa: E402
+from attngen.kernel_lib import LOG2E  # noqa: E402
 
 H, K, V = 16, 128, 128
 STEPS = 16
@@ -61,41 +64,52 @@ def us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def softmax_decode(batches: list[int], keys: int, with_flex: bool = True) -> None:
-    """Rows of softmax_causal's prepared decode step against SDPA and FlexAttention (see the header)."""
-    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "softmax_causal.yaml")
+def softmax_decode(batches: list[int], keys: int, with_flex: bool = True, spec: str = "softmax_causal") -> None:
+    """Rows of a softmax spec's prepared decode step against SDPA and FlexAttention (see the header)."""
+    op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / f"{spec}.yaml")
+    decay = op.spec.decay == "scalar"
     sdpa = torch.nn.functional.scaled_dot_product_attention
     flex = None
     try:
-        if with_flex:
+        if with_flex and not decay:
             from torch.nn.attention.flex_attention import flex_attention
             flex = torch.compile(flex_attention)
     except ImportError as e:
         print(f"FlexAttention unavailable ({e})")
-    print(f"softmax_causal decode, one query against {keys} keys, H{H} D{K} bf16")
+    print(f"{spec} decode, one query against {keys} keys, H{H} D{K} bf16" +
+          (" (SDPA with the decay bias as a bf16 attn_mask)" if decay else ""))
     print(f"{'B':>5} {'eager us':>9} {'graph us':>9} {f'x{STEPS} us':>7} {'TB/s':>6} {'SDPA us':>8} "
           f"{f'x{STEPS} us':>7} {'Flex us':>8} {'rel diff':>9}")
     torch.manual_seed(0)
     kernels = []
     for batch in map(int, batches):
         cache = attngen.StateCache(op, slots=batch, heads=H, head_dim=K, value_dim=V, device="cuda",
-                                   dtype=torch.bfloat16, max_len=keys)
+                                   dtype=torch.bfloat16, max_len=keys, **(dict(query_heads=H) if decay else {}))
         cache.k.normal_()
         cache.v.normal_()
         cache.lengths.fill_(keys - 1)
         slots = torch.arange(batch, device="cuda", dtype=torch.int32)
         q, k, v = (torch.randn(batch, 1, H, D, device="cuda", dtype=torch.bfloat16) for D in (K, K, V))
+        gate = {}
+        if decay:
+            # the held positions' G (log2 units, float pairs): the cumsum of log decays near 0
+            G = torch.nn.functional.logsigmoid(torch.randn(batch, keys, H, device="cuda", dtype=torch.float64) + 6)
+            G = G.cumsum(1) * LOG2E
+            cache.g_hi[:, :keys] = G
+            cache.g_lo[:, :keys] = G - cache.g_hi[:, :keys].to(torch.float64)
+            g = torch.nn.functional.logsigmoid(torch.randn(batch, 1, H, device="cuda") + 6)
+            gate = dict(g=g.to(torch.bfloat16))
         with torch.no_grad():
             step = op.prepare_decode(cache, batch, dtype=torch.bfloat16)
 
             def one():
                 cache.lengths.fill_(keys - 1)
-                return step(q, k, v, slots=slots)
+                return step(q, k, v, slots=slots, **gate)
 
             def steps():
                 cache.lengths.fill_(keys - STEPS)
                 for _ in range(STEPS):
-                    step(q, k, v, slots=slots)
+                    step(q, k, v, slots=slots, **gate)
 
             t_eager = us(one)
             t_graph = us(graphed(one))
@@ -105,9 +119,15 @@ def softmax_decode(batches: list[int], keys: int, with_flex: bool = True) -> Non
             # the baselines' layout [B, H, keys, D], the new token's key and value in place
             kt, vt = (c[:, :keys].transpose(1, 2).contiguous() for c in (cache.k, cache.v))
             qt = q.transpose(1, 2).contiguous()
-            t_sdpa = us(lambda: sdpa(qt, kt, vt))
-            t_sdpa_steps = us(graphed(lambda: [sdpa(qt, kt, vt) for _ in range(STEPS)])) / STEPS
-            ref = sdpa(qt, kt, vt).transpose(1, 2)
+            bias = None
+            if decay:
+                # [B, H, 1, keys] the query's G minus each key's, natural log units
+                G = (cache.g_hi[:, :keys].to(torch.float64) + cache.g_lo[:, :keys].to(torch.float64)) / LOG2E
+                bias = (G[:, -1:] - G).permute(0, 2, 1)[:, :, None].contiguous()
+            mask = bias.to(torch.bfloat16) if decay else None
+            t_sdpa = us(lambda: sdpa(qt, kt, vt, attn_mask=mask))
+            t_sdpa_steps = us(graphed(lambda: [sdpa(qt, kt, vt, attn_mask=mask) for _ in range(STEPS)])) / STEPS
+            ref = sdpa(qt.float(), kt.float(), vt.float(), attn_mask=bias.float() if decay else None).transpose(1, 2)
             t_flex = us(lambda: flex(qt, kt, vt)) if flex is not None else float("nan")
             diff = float((o.float() - ref.float()).norm() / ref.float().norm())
         read = batch * keys * H * (K + V) * 2   # bf16 keys and values
@@ -184,16 +204,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default=None, help="default 1,64,256 (--softmax: 1,64)")
     parser.add_argument("--slots", type=int, default=512)
-    parser.add_argument("--softmax", action="store_true", help="softmax_causal's decode against SDPA and Flex")
+    parser.add_argument("--softmax", action="store_true", help="a softmax spec's decode against SDPA and Flex")
     parser.add_argument("--keys", type=int, default=32768, help="--softmax: the keys each query attends to")
     parser.add_argument("--host", action="store_true", help="--softmax: where the eager step's host time goes")
     parser.add_argument("--no-flex", action="store_true", help="--softmax: no FlexAttention (its compilation)")
+    parser.add_argument("--spec", default="softmax_causal",
+                        help="--softmax: a shipped softmax spec (forgetting_attention: SDPA takes the decay as a bias)")
     args = parser.parse_args()
     if args.softmax and args.host:
         softmax_decode_host((args.batch or "1,64").split(","), args.keys)
         return
     if args.softmax:
-        softmax_decode((args.batch or "1,64").split(","), args.keys, not args.no_flex)
+        softmax_decode((args.batch or "1,64").split(","), args.keys, not args.no_flex, args.spec)
         return
     args.batch = args.batch or "1,64,256"
     op = attngen.load(Path(__file__).resolve().parents[1] / "specs" / "gated_deltanet.yaml")

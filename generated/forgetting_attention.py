@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
-from attngen.kernel_lib import (LOG2E, ceil_div, interpreted, packed_max_len, pow2_ceil, pow2_floor,
+from attngen.kernel_lib import (LOG2E, ceil_div, floor_log_decay, interpreted, packed_max_len, pow2_ceil, pow2_floor,
                                 softmax_append_done, softmax_append_rows, softmax_bwd_preprocess_kernel,
                                 softmax_decay_pairs, softmax_kv_split_len, softmax_lse_dtype, softmax_scaled,
                                 softmax_segment_cumsum, softmax_split_merge, tile_descriptors)
@@ -63,7 +63,8 @@ FORMS = ('parallel',)
 # sign, one add per pair.
 # KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
 # a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
-# this call's own appended first by kv_append_kernel; G too, a cache [S, L, H] of pairs, position p at row p % L.
+# this call's own appended first by kv_append_kernel, or by the forward kernel itself where they are one
+# query block (APPEND); G too, a cache [S, L, H] of pairs, position p at row p % L.
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).
@@ -151,7 +152,7 @@ def softmax_fwd_tiles(
 def softmax_fwd_kernel(
     # pointers
     q, k, v, k_desc, v_desc, g_hi, g_lo, o, lse, o_part, lse_part, split_count, cu_seqlens, kv_slots, kv_lens,
-    k_new, v_new, seq_count,
+    k_new, v_new, g_new, seq_count,
     # dims
     Tq, Tk, S, L, H: tl.constexpr, HK: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     qk_scale, n_blocks, split_len, o_split_stride, lse_split_stride,
@@ -169,7 +170,7 @@ def softmax_fwd_kernel(
     # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
     # its count in split_count, BS the splits' power of two: no second launch)
     # APPEND (KV_CACHE, one query block: a decode step): this call's new keys and values k_new, v_new (the
-    # queries' tokens) are not in the cache yet; the programs that read their positions write them there
+    # queries' tokens) and their log decays g_new are not in the cache yet; the programs that read their positions write them there
     # first (softmax_append_rows) and the sequence's last program to finish advances the slot's length
     # (softmax_append_done, its count in seq_count): no append launch before this one
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
@@ -234,8 +235,19 @@ def softmax_fwd_kernel(
         i_gq = (k_bos + o_pos % L) * H + i_h
     else:
         i_gq = (k_bos + o_pos) * H + i_h
-    b_ghq = tl.load(g_hi + i_gq, mask=m_m, other=0.0)
-    b_glq = tl.load(g_lo + i_gq, mask=m_m, other=0.0)
+    if APPEND:
+        # the queries are the new positions, not in the cache yet: the G of the slot's last position (0 for an
+        # empty slot; no row this call writes) plus the call's cumsum of g_new from the sequence's first new
+        # token, floored, in log2 units, summed in float64 (as kv_append_kernel's); every program computes it
+        i_last = (k_bos + (n_held + L - 1) % L) * H + i_h
+        b_glast = tl.load(g_hi + i_last).to(tl.float64) + tl.load(g_lo + i_last).to(tl.float64)
+        b_gnew = floor_log_decay(tl.load(g_new + i_q, mask=m_m, other=0.0).to(tl.float64))
+        b_G = tl.where(n_held > 0, b_glast, 0.0) + tl.cumsum(b_gnew, 0) * 1.4426950408889634
+        b_ghq = b_G.to(g_hi.dtype.element_ty)
+        b_glq = (b_G - b_ghq.to(tl.float64)).to(g_lo.dtype.element_ty)
+    else:
+        b_ghq = tl.load(g_hi + i_gq, mask=m_m, other=0.0)
+        b_glq = tl.load(g_lo + i_gq, mask=m_m, other=0.0)
     # key tiles: [0, i_edge) allowed for every query of the block, [i_edge, hi) masked
     lo = 0
     i_full = 0
@@ -258,6 +270,9 @@ def softmax_fwd_kernel(
         # program reads a row another one may not have written yet
         if (hi > n_held) & (hi > lo):
             softmax_append_rows(k_new, v_new, k, v, q_bos, k_bos, n_held, Tq_seq, L, i_hk, HK, K, V, BM, BK, BV)
+            # and the queries' G pairs of query head i_h (every such program of the head the same values)
+            tl.store(g_hi + i_gq, b_ghq, mask=m_m)
+            tl.store(g_lo + i_gq, b_glq, mask=m_m)
             tl.debug_barrier()
 
     # [BM] running max and sum of exp2(score - max); [BM, BV] running output
@@ -381,10 +396,10 @@ def softmax_fwd_launch(q, k, v, N, max_len, varlen, cached, launch, append=False
     # k and v; a cache's rows are a ring, read by pointers
     tma = bool(launch.tma) and not cached
 
-    def run(q, k, v, g_hi, g_lo, cu_seqlens, kv_slots, kv_lens, qk_scale, k_new=None, v_new=None):
+    def run(q, k, v, g_hi, g_lo, cu_seqlens, kv_slots, kv_lens, qk_scale, k_new=None, v_new=None, g_new=None):
         k_desc, v_desc = tile_descriptors(BN, k, v) if tma else (None, None)
         softmax_fwd_kernel[grid](q, k, v, k_desc, v_desc, g_hi, g_lo, o, lse, o_part, lse_part, split_count, cu_seqlens,
-                                 kv_slots, kv_lens, k_new, v_new, seq_count, *dims, qk_scale, *rest,
+                                 kv_slots, kv_lens, k_new, v_new, g_new, seq_count, *dims, qk_scale, *rest,
                                  TMA=k_desc is not None, **meta)
 
     return run, o, lse
@@ -461,7 +476,7 @@ def softmax_cached_launch(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_
                           launch):
     """softmax_cached_fwd's launches fixed once for calls shaped as this one, on this cache (and
     cu_seqlens): (run, o, lse), where run(q, k, v, g, kv_slots) appends and attends, writing
-    o and lse, the same tensors every call, and returns o (a prepared decode step's call)."""
+    o and lse, the same tensors every call, and returns o (a prepared decode step's call: one launch)."""
     B, T, HK, K = k.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -475,15 +490,19 @@ def softmax_cached_launch(q, k, v, g, k_cache, v_cache, g_hi, g_lo, kv_lens, kv_
     BT = max(1, min(64, 8192 // max(BKC, BVC, BGC)))
     append_meta = dict(BT=BT, BKC=BKC, BVC=BVC, BGC=BGC, IS_VARLEN=cu_seqlens is not None, num_warps=4)
     max_len = T if cu_seqlens is None else packed_max_len(cu_seqlens, max_len)
-    attend, o, lse = softmax_fwd_launch(q, k_cache, v_cache, N, max_len, cu_seqlens is not None, True, launch)
+    # a call of at most one query block of tokens (a decode step) has the forward kernel append its keys and
+    # values and G itself; a longer one (a prefill piece), kv_append_kernel first
+    fused = max_len <= launch.BM
+    attend, o, lse = softmax_fwd_launch(q, k_cache, v_cache, N, max_len, cu_seqlens is not None, True, launch, fused)
 
     def run(q, k, v, g, kv_slots):
-        # the call's G from each sequence's first new token
-        g_new_hi, g_new_lo = softmax_decay_pairs(g, cu_seqlens, is_fp64)
-        kv_append_kernel[(N,)](k, v, g_new_hi, g_new_lo, k_cache, v_cache, g_hi, g_lo, kv_slots, kv_lens, cu_seqlens, T,
-                               S, L, KC, VC, GC, **append_meta)
+        if not fused:
+            # the call's G from each sequence's first new token
+            g_new_hi, g_new_lo = softmax_decay_pairs(g, cu_seqlens, is_fp64)
+            kv_append_kernel[(N,)](k, v, g_new_hi, g_new_lo, k_cache, v_cache, g_hi, g_lo, kv_slots, kv_lens,
+                                   cu_seqlens, T, S, L, KC, VC, GC, **append_meta)
         q_run, qk_scale = softmax_scaled(q, scale)
-        attend(q_run, k_cache, v_cache, g_hi, g_lo, cu_seqlens, kv_slots, kv_lens, qk_scale)
+        attend(q_run, k_cache, v_cache, g_hi, g_lo, cu_seqlens, kv_slots, kv_lens, qk_scale, k, v, g)
         return o
 
     return run, o, lse

@@ -55,8 +55,8 @@ FORMS = ('parallel',)
 # tiles that straddle a mask edge (or the end of the keys) are masked elementwise.
 # KV_CACHE (serving, attngen.StateCache): the keys and values are the rows of each sequence's slot of
 # a cache [S, L, HK, *], key position p at row p % L (a ring, where a sliding window keeps the last L),
-# this call's own appended first by kv_append_kernel, or by the forward kernel itself where
-# they are one query block (APPEND).
+# this call's own appended first by kv_append_kernel, or by the forward kernel itself where they are one
+# query block (APPEND).
 # Glossary: BM queries per block, BN keys per tile; lse = log-sum-exp of each query's scores
 # (natural log; float32, float64 for float64 inputs), for the backward and for callers that
 # merge attention outputs (return_lse).

@@ -484,7 +484,7 @@ def test_softmax_continuous_batching(name, backend):
     assert cache.lengths[[1, 3]].abs().max() == 0
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention"])
 def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     """A prepared softmax step's call reads tensor metadata and launches the split forward alone (which
     appends the new keys and values to the cache and merges its partials itself), in place on the cache,
@@ -501,6 +501,7 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **meta: launches.append((self.name, args, meta))
 
+    arg_names = module.softmax_fwd_kernel.arg_names
     for kernel in ("kv_append_kernel", "softmax_fwd_kernel"):
         monkeypatch.setattr(module, kernel, Launcher(kernel))
     cache = softmax_cache(op, 4, **({} if op.spec.mask == "sliding_window" else dict(max_len=512)))
@@ -517,17 +518,21 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     assert again is o and tuple(o.shape) == (2, 1, HQ, V)
     names = [n for n, _, _ in launches]
     assert names == ["softmax_fwd_kernel"] * 2, names
-    (_, attend, meta), (_, again_args, _) = launches
-    assert attend[1] is cache.k and attend[2] is cache.v and attend[11] is slots and attend[12] is cache.lengths
-    # the new keys and values, appended by the kernel: the call's own tensors
-    assert meta["APPEND"] and attend[13] is batch["k"] and attend[14] is batch["v"]
+    (attend, meta), again_args = [(dict(zip(arg_names, args)), meta) for _, args, meta in launches[:1]][0], \
+        dict(zip(arg_names, launches[1][1]))
+    assert attend["k"] is cache.k and attend["v"] is cache.v and attend["kv_slots"] is slots
+    assert attend["kv_lens"] is cache.lengths
+    # the new keys and values (and log decays), appended by the kernel: the call's own tensors
+    assert meta["APPEND"] and attend["k_new"] is batch["k"] and attend["v_new"] is batch["v"]
+    if op.spec.decay == "scalar":
+        assert attend["g_new"] is batch["g"] and attend["g_hi"] is cache.g_hi and attend["g_lo"] is cache.g_lo
     # a cache's rows are a ring: read by pointers, not tensor descriptors
-    assert attend[3] is None and attend[4] is None and not meta["TMA"]
+    assert attend["k_desc"] is None and attend["v_desc"] is None and not meta["TMA"]
     # the merged output is the step's; the partials, the splits' and the sequences' counts are the step's
     # own buffers
-    assert meta["SPLIT"] and meta["KV_CACHE"] and attend[5] is o
-    for i in (9, 15):
-        assert attend[i].dtype == torch.int32 and attend[i] is again_args[i]
+    assert meta["SPLIT"] and meta["KV_CACHE"] and attend["o"] is o
+    for n in ("split_count", "seq_count"):
+        assert attend[n].dtype == torch.int32 and attend[n] is again_args[n]
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -609,13 +614,14 @@ def test_split_merge_every_step(name, triton_backend, monkeypatch):
     assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [294, 0, 305]
 
 
-@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window"])
+@pytest.mark.parametrize("name", ["softmax_causal", "sliding_window", "forgetting_attention", "small_window_decay"])
 def test_appends_by_launch_and_inside_the_forward(name, triton_backend, monkeypatch):
     """A serving call of more tokens than one query block (a prefill piece) appends its keys and values by
     kv_append_kernel before the forward; a decode step's forward kernel appends them itself (the programs
-    that read the new positions write them, the last to finish advances the length). Both, one after the
-    other on a cache, equal the PyTorch forms on a twin cache: the outputs, the cache's rows and lengths."""
-    op = shipped(name)
+    that read the new positions write them, the last to finish advances the length), with decay also the
+    new positions' G, continued from the slot's last. Both, one after the other on a cache, equal the
+    PyTorch forms on a twin cache: the outputs, the cache's rows (G's to rounding) and lengths."""
+    op = softmax_op(name)
     module = runtime.kernels_for(op)
     appends = []
     kernel = module.kv_append_kernel
@@ -627,15 +633,19 @@ def test_appends_by_launch_and_inside_the_forward(name, triton_backend, monkeypa
 
     monkeypatch.setattr(module, "kv_append_kernel", Counted())
     caches = []
+    decay = op.spec.decay == "scalar"
     for _ in range(2):
         rows = dict(max_piece=80) if op.spec.mask == "sliding_window" else dict(max_len=96)
-        caches.append(attngen.StateCache(op, slots=3, heads=HKV, head_dim=K, value_dim=V, **rows))
+        caches.append(softmax_cache(op, 3, **rows))
     slots = torch.tensor([2, 0], dtype=torch.int32)
     gen = torch.Generator().manual_seed(4)
 
     def inputs(T):
-        return {"q": torch.randn(2, T, HQ, K, generator=gen), "k": torch.randn(2, T, HKV, K, generator=gen),
-                "v": torch.randn(2, T, HKV, V, generator=gen)}
+        x = {"q": torch.randn(2, T, HQ, K, generator=gen), "k": torch.randn(2, T, HKV, K, generator=gen),
+             "v": torch.randn(2, T, HKV, V, generator=gen)}
+        if decay:
+            x["g"] = torch.nn.functional.logsigmoid(torch.randn(2, T, HQ, generator=gen) + 2)
+        return x
 
     step = op.prepare_decode(caches[0], batch=2, heads=HQ)
     with torch.no_grad():
@@ -649,6 +659,10 @@ def test_appends_by_launch_and_inside_the_forward(name, triton_backend, monkeypa
             assert len(appends) == 1, f"{T} tokens: {len(appends)} append launches"
     assert caches[0].lengths.tolist() == caches[1].lengths.tolist() == [80, 0, 80]
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    if decay:
+        G = [c.g_hi.to(torch.float64) + c.g_lo.to(torch.float64) for c in caches]
+        assert G[0][[0, 2], :80].abs().min() > 0
+        torch.testing.assert_close(G[0], G[1], rtol=1e-12, atol=1e-12)
 
 
 SOFTMAX_BAD = {
