@@ -749,9 +749,11 @@ def softmax_launch(call: Call, dtype: torch.dtype, sms: int, decay: bool = False
     # per multiprocessor), as every tuned H200 entry of forgetting_attention at 128 lanes took (B2, B4, B16
     # T8192 H16 D128 bf16: forward 3.11 -> 1.62, 5.83 -> 3.07, 24.37 -> 11.98 ms; attngen/tables); up to 64
     # lanes, 128-query blocks (2.93 -> 2.30 ms at B2 T8192 H32 D64). A decode's query blocks (BM 16) leave
-    # room for three stages of 64-key tiles (72,728 B, three programs per multiprocessor): softmax_causal's
-    # tuned decode launch, which forgetting attention's decode step takes too (B1, one query against 32768
-    # keys, bf16 H16 D128 on the H100: BENCHMARKS.md 2026-12-07, sixteenth run)
+    # room for three stages of 64-key tiles (72,728 B, three programs per multiprocessor), as softmax_causal's
+    # tuned decode launches take: forgetting attention's decode step (one query against 32768 keys, B1 bf16
+    # H16 D128, the append inside the forward) 117.0 us of forward kernel on the H100 at 128-key tiles in one
+    # stage, 80.5 us at these on the H200, where the forward at 128-key tiles took 91.0 with its append
+    # launched apart (BENCHMARKS.md 2026-12-07, sixteenth run)
     decay128 = decay and size == 2 and 64 < max(BK, BV) <= 128
     if decay128 and BM >= 64:
         BN, stages, last_first = 128, 1, 0
