@@ -92,6 +92,26 @@ def test_launchers_call_no_triton_constexpr_function(path):
     assert "triton.cdiv(" not in source and "triton.next_power_of_2(" not in source
 
 
+@pytest.mark.parametrize("path", [Path(kernel_lib.__file__)] + sorted((ROOT / "generated").glob("*.py")),
+                         ids=lambda p: p.stem)
+def test_no_triton_function_ends_with_a_barrier(path):
+    """A tl.debug_barrier() as the last statement of a @triton.jit helper is not in Triton 3.6's compiled code
+    when the helper is inlined (the decode forward's append had no bar.sync: BENCHMARKS.md 2026-12-07,
+    sixteenth run): a barrier goes at the call site, after the helper."""
+    import ast
+
+    def is_barrier(node):
+        return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "debug_barrier")
+
+    tree = ast.parse(path.read_text())
+    jitted = [f for f in tree.body if isinstance(f, ast.FunctionDef)
+              and any("jit" in ast.unparse(d) for d in f.decorator_list)]
+    assert jitted
+    ending = [f.name for f in jitted if is_barrier(f.body[-1])]
+    assert not ending, f"{path.name}: @triton.jit functions ending with tl.debug_barrier(): {ending}"
+
+
 def test_kernel_lib_calls_reads_code_not_comments_or_strings():
     source = ("x = chunked_cast(y)  # chunked_dot\ns = 'floor_log_decay' + \"it's # pow2_floor\"\n"
               '"""interpreted\n"""\nLOG2E * pow2_floorx\n')
