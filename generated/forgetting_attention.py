@@ -170,9 +170,9 @@ def softmax_fwd_kernel(
     # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
     # its count in split_count, BS the splits' power of two: no second launch)
     # APPEND (KV_CACHE, one query block: a decode step): this call's new keys and values k_new, v_new (the
-    # queries' tokens) and their log decays g_new are not in the cache yet; the programs that read their positions write them there
-    # first (softmax_append_rows) and the sequence's last program to finish advances the slot's length
-    # (softmax_append_done, its count in seq_count): no append launch before this one
+    # queries' tokens; their log decays g_new) are not in the cache yet; the programs that read
+    # their positions write them there first (softmax_append_rows) and the sequence's last program to finish
+    # advances the slot's length (softmax_append_done, its count in seq_count): no append launch before this one
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
     # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
@@ -242,6 +242,7 @@ def softmax_fwd_kernel(
         i_last = (k_bos + (n_held + L - 1) % L) * H + i_h
         b_glast = tl.load(g_hi + i_last).to(tl.float64) + tl.load(g_lo + i_last).to(tl.float64)
         b_gnew = floor_log_decay(tl.load(g_new + i_q, mask=m_m, other=0.0).to(tl.float64))
+        # (1.4426950408889634 = log2(e): the log decays in log2 units)
         b_G = tl.where(n_held > 0, b_glast, 0.0) + tl.cumsum(b_gnew, 0) * 1.4426950408889634
         b_ghq = b_G.to(g_hi.dtype.element_ty)
         b_glq = (b_G - b_ghq.to(tl.float64)).to(g_lo.dtype.element_ty)

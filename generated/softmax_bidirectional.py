@@ -140,9 +140,9 @@ def softmax_fwd_kernel(
     # last of a block's splits to finish merges them by their lse into o and lse (softmax_split_merge,
     # its count in split_count, BS the splits' power of two: no second launch)
     # APPEND (KV_CACHE, one query block: a decode step): this call's new keys and values k_new, v_new (the
-    # queries' tokens) are not in the cache yet; the programs that read their positions write them there
-    # first (softmax_append_rows) and the sequence's last program to finish advances the slot's length
-    # (softmax_append_done, its count in seq_count): no append launch before this one
+    # queries' tokens) are not in the cache yet; the programs that read
+    # their positions write them there first (softmax_append_rows) and the sequence's last program to finish
+    # advances the slot's length (softmax_append_done, its count in seq_count): no append launch before this one
     # program -> (sequence x head, query block): a head's n_blocks query blocks are neighbours in
     # launch order, so they run side by side and share its keys and values in L2; the last block
     # first with LAST_FIRST (causal: the later a block, the more keys it reads). Grid axis 0 has room for any
