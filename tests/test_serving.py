@@ -518,8 +518,8 @@ def test_softmax_decode_step_only_launches(name, triton_backend, monkeypatch):
     assert again is o and tuple(o.shape) == (2, 1, HQ, V)
     names = [n for n, _, _ in launches]
     assert names == ["softmax_fwd_kernel"] * 2, names
-    (attend, meta), again_args = [(dict(zip(arg_names, args)), meta) for _, args, meta in launches[:1]][0], \
-        dict(zip(arg_names, launches[1][1]))
+    (_, args, meta), (_, args_again, _) = launches
+    attend, again_args = dict(zip(arg_names, args)), dict(zip(arg_names, args_again))
     assert attend["k"] is cache.k and attend["v"] is cache.v and attend["kv_slots"] is slots
     assert attend["kv_lens"] is cache.lengths
     # the new keys and values (and log decays), appended by the kernel: the call's own tensors
