@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attngen  # noqa: E402
 from attngen import runtime  # noqa: E402
 from attngen.bench import profile  # noqa: E402
-from attngen.kernel_lib import LOG2E  # noqa: E402
+from attngen.kernel_lib import LOG2E, softmax_decay_pairs  # noqa: E402
 
 H, K, V = 16, 128, 128
 STEPS = 16
@@ -93,10 +93,8 @@ def softmax_decode(batches: list[int], keys: int, with_flex: bool = True, spec: 
         gate = {}
         if decay:
             # the held positions' G (log2 units, float pairs): the cumsum of log decays near 0
-            G = torch.nn.functional.logsigmoid(torch.randn(batch, keys, H, device="cuda", dtype=torch.float64) + 6)
-            G = G.cumsum(1) * LOG2E
-            cache.g_hi[:, :keys] = G
-            cache.g_lo[:, :keys] = G - cache.g_hi[:, :keys].to(torch.float64)
+            held = torch.nn.functional.logsigmoid(torch.randn(batch, keys, H, device="cuda", dtype=torch.float64) + 6)
+            cache.g_hi[:, :keys], cache.g_lo[:, :keys] = softmax_decay_pairs(held, None, False)
             g = torch.nn.functional.logsigmoid(torch.randn(batch, 1, H, device="cuda") + 6)
             gate = dict(g=g.to(torch.bfloat16))
         with torch.no_grad():
