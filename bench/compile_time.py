@@ -2,7 +2,7 @@
 kernel's compile time, warps, shared memory and ptxas's registers and spills.
 
     python bench/compile_time.py SPEC [--dtype bf16] [--T 63] [--Tk N] [--D 128] [--B 1] [--H 2] [--group 1] [--bwd]
-        [--decode] [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--module FILE]
+        [--decode] [--h200 | --h100] [--launch "knob=value,..."] [--ptx DIR] [--loops] [--sass] [--module FILE]
 
 The op runs on CPU tensors with Triton's CUDA target set to sm_90a and every launch turned into a
 compilation only (no kernel runs; the outputs are garbage and are not looked at), so the kernels
@@ -24,7 +24,11 @@ ends with how many of its programs an sm_90 multiprocessor holds at once and wha
 pipeline copies ahead into shared memory (cp.async, or the copy engine's TMA) and those it left as
 plain loads, whose latency the loop waits on where their value is used; a tile (a vector load) among
 those is worth a look (the state-gradient pass's stored dU, added to a product that Triton folded into
-its accumulator, was one: BENCHMARKS.md 2026-12-06, ninth run). --module FILE compiles an edited
+its accumulator, was one: BENCHMARKS.md 2026-12-06, ninth run). --sass assembles each kernel (ptxas,
+then nvdisasm, both in Triton's wheel) and counts the machine instructions of its innermost loops by kind:
+tensor-core products, exp2s, float32 arithmetic, loads, shared-memory traffic, barriers and the spill
+loads and stores that land in the loop (a kernel's spilled bytes say nothing of where they fall). The
+counts are static, per iteration and per thread (BENCHMARKS.md 2026-12-07, seventeenth run). --module FILE compiles an edited
 rendering of the spec's generated module in place of its own (as bench/probe_launch.py --module).
 --decode (softmax specs): a prepared decode step of --T tokens on a StateCache of --Tk rows per slot
 (op.prepare_decode, the serving call's kernels: the forward on the cache, appending the keys itself
@@ -109,6 +113,43 @@ def loop_loads(ptx: str) -> list[tuple[int, int, int, int]]:
     return loops
 
 
+# --sass: the opcode classes counted per loop, in the order printed (an opcode counts in the first class
+# whose prefix it starts with; the rest fall under "other")
+SASS_CLASSES = (("mma", ("HGMMA", "HMMA")), ("exp2", ("MUFU",)), ("fp32", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP")),
+                ("cvt", ("F2FP", "F2F")), ("async", ("LDGSTS", "UTMALDG", "UBLKCP")), ("ldg", ("LDG",)),
+                ("lds", ("LDS", "LDSM")), ("sts", ("STS",)), ("spill", ("LDL", "STL")), ("bar", ("BAR",)))
+
+
+def sass_loops(text: str) -> list[tuple[int, dict[str, int]]]:
+    """Per innermost loop of a kernel's SASS (nvdisasm -c's text; a loop runs from a label to the branch
+    back to it and holds no other such loop, and is not one of the few-instruction spins on a
+    barrier's phase): its instructions and their count per SASS_CLASSES class."""
+    ops, labels = [], {}
+    for line in text.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)(.*?);", line)
+        if ins:
+            ops.append((ins.group(1), ins.group(2)))
+    spans = []
+    for i, (op, args) in enumerate(ops):
+        target = re.search(r"\.(L_x_\d+)", args) if op == "BRA" else None
+        if target and labels.get(target.group(1), i + 1) <= i:
+            spans.append((labels[target.group(1)], i))
+    loops = []
+    for a, b in spans:
+        if b - a < 8 or any((c, d) != (a, b) and a <= c and d <= b and d - c >= 8 for c, d in spans):
+            continue
+        counts = dict.fromkeys([name for name, _ in SASS_CLASSES] + ["other"], 0)
+        for op, _ in ops[a:b + 1]:
+            kind = next((name for name, prefixes in SASS_CLASSES if op.startswith(prefixes)), "other")
+            counts[kind] += 1
+        loops.append((b + 1 - a, counts))
+    return loops
+
+
 def programs_per_sm(shared: int, regs: int, warps: int) -> tuple[int, str]:
     """How many programs of a kernel an sm_90 multiprocessor holds at once, and what limits it
     (shared memory, registers, warps or the programs' cap): a kernel a few bytes past half a
@@ -138,6 +179,7 @@ def main():
     p.add_argument("--group", type=int, default=1,
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
+    p.add_argument("--sass", action="store_true", help="count each kernel's innermost loops' machine instructions by kind")
     p.add_argument("--decode", action="store_true", help="softmax specs: a prepared decode step of --T tokens on a "
                    "cache of --Tk rows")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
@@ -220,6 +262,7 @@ def main():
     total = time.perf_counter() - t0
 
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    nvdisasm = ptxas.with_name("nvdisasm")
     print(f"{op.spec.name} {args.dtype} B={args.B} T={args.T} H={args.H} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
     if args.ptx:
@@ -246,6 +289,13 @@ def main():
         if args.loops and "ptx" in kernel.asm:
             for size, plain, vector, copies in loop_loads(kernel.asm["ptx"]):
                 print(f"{'':11s}loop of {size} lines: {plain} plain global loads ({vector} of vectors), {copies} async copies")
+        if args.sass and "cubin" in kernel.asm and nvdisasm.exists():
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as tmp:
+                tmp.write(kernel.asm["cubin"])
+                tmp.flush()
+                text = subprocess.run([str(nvdisasm), "-c", tmp.name], capture_output=True, text=True, check=True).stdout
+                for size, counts in sass_loops(text):
+                    print(f"{'':11s}loop of {size} instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,29 @@ def test_programs_per_multiprocessor_follow_cuda_occupancy_rules():
     assert ct.programs_per_sm(shared=0, regs=40, warps=4) == (12, "registers")      # 40 rounds to 1280 a warp
     assert ct.programs_per_sm(shared=0, regs=16, warps=4) == (16, "warps")
     assert ct.programs_per_sm(shared=0, regs=16, warps=1) == (32, "programs")
+
+
+def test_compile_time_counts_the_innermost_loops_machine_instructions():
+    """bench/compile_time.py --sass: the instructions of each innermost loop of nvdisasm's text, by kind; an
+    outer loop holding it and a barrier's few-instruction spin are not counted."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "compile_time.py"
+    module_spec = importlib.util.spec_from_file_location("compile_time", path)
+    ct = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(ct)
+    body = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", "MUFU.EX2 R1, R2", "FADD R3, R3, R1",
+            "@P0 FFMA R4, R4, R5, R6", "F2FP.BF16.F32.PACK_AB R7, R8, R9", "LDGSTS.E.64 [R10], desc[UR6][R12.64]",
+            "LDG.E R11, desc[UR6][R14.64]", "LDS.128 R16, [R20]", "STL [R1+0x4], R3", "BAR.SYNC.DEFER_BLOCKING 0x0",
+            "IADD3 R0, R0, 0x1, RZ", "ISETP.GE.AND P0, PT, R0, R2, PT"]
+    lines = ["        .L_x_1:"]
+    lines += [f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(body)]
+    lines += ["        /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R3 ;",
+              "        .L_x_2:", "        /*0110*/                   @!P1 BRA `(.L_x_2) ;",   # a spin: not a loop
+              "        /*0120*/              @!P0 BRA `(.L_x_1) ;",
+              "        /*0130*/                   BRA `(.L_x_1) ;"]                    # an outer loop around it
+    loops = ct.sass_loops("\n".join(lines))
+    assert len(loops) == 1
+    size, counts = loops[0]
+    assert size == len(body) + 3
+    assert counts == {"mma": 1, "exp2": 1, "fp32": 2, "cvt": 1, "async": 1, "ldg": 1, "lds": 1, "sts": 0,
+                      "spill": 1, "bar": 1, "other": 5}
