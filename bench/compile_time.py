@@ -123,7 +123,8 @@ SASS_CLASSES = (("mma", ("HGMMA", "HMMA")), ("exp2", ("MUFU",)), ("fp32", ("FADD
 def sass_loops(text: str) -> list[tuple[int, dict[str, int]]]:
     """Per innermost loop of a kernel's SASS (nvdisasm -c's text; a loop runs from a label to the branch
     back to it and holds no other such loop, and is not one of the few-instruction spins on a
-    barrier's phase): its instructions and their count per SASS_CLASSES class."""
+    barrier's phase, nor a jump back from the out-of-line code after the kernel's EXIT): its
+    instructions and their count per SASS_CLASSES class."""
     ops, labels = [], {}
     for line in text.splitlines():
         label = re.match(r"\s*\.(L_x_\d+):", line)
@@ -140,7 +141,8 @@ def sass_loops(text: str) -> list[tuple[int, dict[str, int]]]:
             spans.append((labels[target.group(1)], i))
     loops = []
     for a, b in spans:
-        if b - a < 8 or any((c, d) != (a, b) and a <= c and d <= b and d - c >= 8 for c, d in spans):
+        if b - a < 8 or any(op == "EXIT" for op, _ in ops[a:b]) \
+                or any((c, d) != (a, b) and a <= c and d <= b and d - c >= 8 for c, d in spans):
             continue
         counts = dict.fromkeys([name for name, _ in SASS_CLASSES] + ["other"], 0)
         for op, _ in ops[a:b + 1]:

@@ -132,7 +132,7 @@ def test_programs_per_multiprocessor_follow_cuda_occupancy_rules():
 
 def test_compile_time_counts_the_innermost_loops_machine_instructions():
     """bench/compile_time.py --sass: the instructions of each innermost loop of nvdisasm's text, by kind; an
-    outer loop holding it and a barrier's few-instruction spin are not counted."""
+    outer loop holding it, a barrier's few-instruction spin and a jump back from past the EXIT are not counted."""
     import importlib.util
     path = Path(__file__).resolve().parents[1] / "bench" / "compile_time.py"
     module_spec = importlib.util.spec_from_file_location("compile_time", path)
@@ -147,7 +147,10 @@ def test_compile_time_counts_the_innermost_loops_machine_instructions():
     lines += ["        /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R3 ;",
               "        .L_x_2:", "        /*0110*/                   @!P1 BRA `(.L_x_2) ;",   # a spin: not a loop
               "        /*0120*/              @!P0 BRA `(.L_x_1) ;",
-              "        /*0130*/                   BRA `(.L_x_1) ;"]                    # an outer loop around it
+              "        /*0130*/                   BRA `(.L_x_1) ;",                    # an outer loop around it
+              "        /*0140*/                   EXIT ;"]
+    lines += [f"        /*{0x150 + 16 * i:04x}*/                   NOP ;" for i in range(8)]
+    lines += ["        /*0200*/                   BRA `(.L_x_1) ;"]                    # back from a stub after EXIT
     loops = ct.sass_loops("\n".join(lines))
     assert len(loops) == 1
     size, counts = loops[0]
