@@ -116,7 +116,7 @@ def loop_loads(ptx: str) -> list[tuple[int, int, int, int]]:
 # --sass: the opcode classes counted per loop, in the order printed (an opcode counts in the first class
 # whose prefix it starts with; the rest fall under "other")
 SASS_CLASSES = (("mma", ("HGMMA", "HMMA")), ("exp2", ("MUFU",)), ("fp32", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP")),
-                ("cvt", ("F2FP", "F2F")), ("async", ("LDGSTS", "UTMALDG", "UBLKCP")), ("ldg", ("LDG",)),
+                ("cvt", ("F2FP", "F2F")), ("async", ("LDGSTS", "LDGDEPBAR", "UTMALDG", "UBLKCP")), ("ldg", ("LDG",)),
                 ("lds", ("LDS", "LDSM")), ("sts", ("STS",)), ("spill", ("LDL", "STL")), ("bar", ("BAR",)))
 
 
