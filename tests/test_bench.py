@@ -2,6 +2,7 @@
 specs too), shapes as the command line writes them, the FLOP counts, the --plot sweep."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,16 @@ from attngen.testing import Shape, format_shape, parse_shape
 
 SPECS = Path(__file__).resolve().parents[1] / "specs"
 DENSE = Shape(batch=4, q_len=8192, heads=16, head_dim=128, value_dim=128)
+
+
+def _bench_script(name: str):
+    """bench/<name>.py, a script not a package module, loaded as a module."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
 
 BASELINE_NAMES = {
     "gated_deltanet": ["fla chunk_gated_delta_rule"],
@@ -95,11 +106,7 @@ def test_plot_sweeps_sequence_length_at_the_tokens_per_batch():
 def test_ncu_table_reads_the_raw_page():
     """bench/ncu_kernels.py's table from ncu's raw CSV page (header, units, a row per kernel): the
     kernel's short name, its columns scaled, '-' for a metric ncu did not report, the largest stalls."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "bench" / "ncu_kernels.py"
-    module_spec = importlib.util.spec_from_file_location("ncu_kernels", path)
-    ncu = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(ncu)
+    ncu = _bench_script("ncu_kernels")
     stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
     raw = ('==PROF== Connected\n"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread",'
            f'"{stall.format("barrier")}","{stall.format("long_scoreboard")}","{stall.format("wait")}"\n'
@@ -117,11 +124,7 @@ def test_programs_per_multiprocessor_follow_cuda_occupancy_rules():
     the figures ptxas and Triton gave for forgetting_attention's and softmax_causal's forward at B4 T8192
     H16 D128 bf16 (64 x 64 tiles, four warps, three stages): 1 KiB of the decay's tiles past half the
     shared memory leaves one program where softmax_causal's kernel has two."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "bench" / "compile_time.py"
-    module_spec = importlib.util.spec_from_file_location("compile_time", path)
-    ct = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(ct)
+    ct = _bench_script("compile_time")
     assert ct.programs_per_sm(shared=115712, regs=174, warps=4) == (2, "shared")   # (115712 + 1024) * 2 = 228 KiB
     assert ct.programs_per_sm(shared=116760, regs=255, warps=4) == (1, "shared")
     assert ct.programs_per_sm(shared=0, regs=255, warps=4) == (2, "registers")      # 256 x 32 x 4 per program
@@ -133,11 +136,7 @@ def test_programs_per_multiprocessor_follow_cuda_occupancy_rules():
 def test_compile_time_counts_the_innermost_loops_machine_instructions():
     """bench/compile_time.py --sass: the instructions of each innermost loop of nvdisasm's text, by kind; an
     outer loop holding it, a barrier's few-instruction spin and a jump back from past the EXIT are not counted."""
-    import importlib.util
-    path = Path(__file__).resolve().parents[1] / "bench" / "compile_time.py"
-    module_spec = importlib.util.spec_from_file_location("compile_time", path)
-    ct = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(ct)
+    ct = _bench_script("compile_time")
     body = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", "MUFU.EX2 R1, R2", "FADD R3, R3, R1",
             "@P0 FFMA R4, R4, R5, R6", "F2FP.BF16.F32.PACK_AB R7, R8, R9", "LDGSTS.E.64 [R10], desc[UR6][R12.64]", "LDGDEPBAR",
             "LDG.E R11, desc[UR6][R14.64]", "LDS.128 R16, [R20]", "STL [R1+0x4], R3", "BAR.SYNC.DEFER_BLOCKING 0x0",
