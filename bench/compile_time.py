@@ -28,8 +28,8 @@ its accumulator, was one: BENCHMARKS.md 2026-12-06, ninth run). --sass assembles
 then nvdisasm, both in Triton's wheel) and counts the machine instructions of its innermost loops by kind:
 tensor-core products, exp2s, float32 arithmetic, loads, shared-memory traffic, barriers and the spill
 loads and stores that land in the loop (a kernel's spilled bytes say nothing of where they fall). The
-counts are static, per iteration and per thread (BENCHMARKS.md 2026-12-07, seventeenth run). --module FILE compiles an edited
-rendering of the spec's generated module in place of its own (as bench/probe_launch.py --module).
+counts are static, per iteration and per thread (BENCHMARKS.md 2026-12-07, seventeenth run). --module FILE
+compiles an edited rendering of the spec's generated module in place of its own (as bench/probe_launch.py --module).
 --decode (softmax specs): a prepared decode step of --T tokens on a StateCache of --Tk rows per slot
 (op.prepare_decode, the serving call's kernels: the forward on the cache, appending the keys itself
 where they are one query block) in place of the op's call.
@@ -115,7 +115,8 @@ def loop_loads(ptx: str) -> list[tuple[int, int, int, int]]:
 
 # --sass: the opcode classes counted per loop, in the order printed (an opcode counts in the first class
 # whose prefix it starts with; the rest fall under "other")
-SASS_CLASSES = (("mma", ("HGMMA", "HMMA")), ("exp2", ("MUFU",)), ("fp32", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP")),
+SASS_CLASSES = (("mma", ("HGMMA", "HMMA")), ("exp2", ("MUFU",)),
+                ("fp32", ("FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP")),
                 ("cvt", ("F2FP", "F2F")), ("async", ("LDGSTS", "LDGDEPBAR", "UTMALDG", "UBLKCP")), ("ldg", ("LDG",)),
                 ("lds", ("LDS", "LDSM")), ("sts", ("STS",)), ("spill", ("LDL", "STL")), ("bar", ("BAR",)))
 
@@ -181,7 +182,8 @@ def main():
     p.add_argument("--group", type=int, default=1,
                    help="linear specs: value heads per query / key head (grouped value heads)")
     p.add_argument("--bwd", action="store_true", help="also compile the backward kernels")
-    p.add_argument("--sass", action="store_true", help="count each kernel's innermost loops' machine instructions by kind")
+    p.add_argument("--sass", action="store_true",
+                   help="count each kernel's innermost loops' machine instructions by kind")
     p.add_argument("--decode", action="store_true", help="softmax specs: a prepared decode step of --T tokens on a "
                    "cache of --Tk rows")
     p.add_argument("--launch", default="", help="chunked launch knobs set over the planner's, 'knob=value,...'")
@@ -295,7 +297,8 @@ def main():
             with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as tmp:
                 tmp.write(kernel.asm["cubin"])
                 tmp.flush()
-                text = subprocess.run([str(nvdisasm), "-c", tmp.name], capture_output=True, text=True, check=True).stdout
+                sass = subprocess.run([str(nvdisasm), "-c", tmp.name], capture_output=True, text=True, check=True)
+                text = sass.stdout
                 for size, counts in sass_loops(text):
                     print(f"{'':11s}loop of {size} instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 

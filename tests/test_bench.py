@@ -138,7 +138,8 @@ def test_compile_time_counts_the_innermost_loops_machine_instructions():
     outer loop holding it, a barrier's few-instruction spin and a jump back from past the EXIT are not counted."""
     ct = _bench_script("compile_time")
     body = ["HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24", "MUFU.EX2 R1, R2", "FADD R3, R3, R1",
-            "@P0 FFMA R4, R4, R5, R6", "F2FP.BF16.F32.PACK_AB R7, R8, R9", "LDGSTS.E.64 [R10], desc[UR6][R12.64]", "LDGDEPBAR",
+            "@P0 FFMA R4, R4, R5, R6", "F2FP.BF16.F32.PACK_AB R7, R8, R9", "LDGSTS.E.64 [R10], desc[UR6][R12.64]",
+            "LDGDEPBAR",
             "LDG.E R11, desc[UR6][R14.64]", "LDS.128 R16, [R20]", "STL [R1+0x4], R3", "BAR.SYNC.DEFER_BLOCKING 0x0",
             "IADD3 R0, R0, 0x1, RZ", "ISETP.GE.AND P0, PT, R0, R2, PT"]
     lines = ["        .L_x_1:"]
