@@ -197,6 +197,11 @@ def main():
         probe_launch.OVERRIDE.update(probe_launch.parse_variant(args.launch, "--launch"))
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("compile_time.py compiles for the GPU: unset TRITON_INTERPRET")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    nvdisasm = ptxas.with_name("nvdisasm")
+    if args.sass and not nvdisasm.exists():
+        sys.exit(f"--sass: no nvdisasm at {nvdisasm}; it takes a Triton wheel that ships nvdisasm beside ptxas "
+                 "(triton 3.6.0's does)")
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attngen_compile_")   # every kernel compiled afresh
 
     compiled = []
@@ -265,8 +270,6 @@ def main():
         (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     total = time.perf_counter() - t0
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    nvdisasm = ptxas.with_name("nvdisasm")
     print(f"{op.spec.name} {args.dtype} B={args.B} T={args.T} H={args.H} D={args.D} group={args.group}{' +bwd' if args.bwd else ''}: "
           f"{len(compiled)} kernels compiled in {total:.1f} s (Triton {triton.__version__}, sm_90a)")
     if args.ptx:
@@ -293,13 +296,12 @@ def main():
         if args.loops and "ptx" in kernel.asm:
             for size, plain, vector, copies in loop_loads(kernel.asm["ptx"]):
                 print(f"{'':11s}loop of {size} lines: {plain} plain global loads ({vector} of vectors), {copies} async copies")
-        if args.sass and "cubin" in kernel.asm and nvdisasm.exists():
+        if args.sass and "cubin" in kernel.asm:
             with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as tmp:
                 tmp.write(kernel.asm["cubin"])
                 tmp.flush()
                 sass = subprocess.run([str(nvdisasm), "-c", tmp.name], capture_output=True, text=True, check=True)
-                text = sass.stdout
-                for size, counts in sass_loops(text):
+                for size, counts in sass_loops(sass.stdout):
                     print(f"{'':11s}loop of {size} instructions: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
