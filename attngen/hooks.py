@@ -526,8 +526,8 @@ class AdditiveRule:
         return ""
 
     def saved(self) -> str:
-        """The chunked forward's `saved`, what it keeps for the backward (from its states st)."""
-        return "saved = None"
+        """The chunked forward's `saved` and `starts`, what it keeps for the backward (from its states st)."""
+        return "saved, starts = None, None"
 
     # Step 4a (the dq step) reads h_c once, by value blocks (b_hct [BV, BF]): the rule's own products with it.
     def dq_start(self) -> str:
@@ -554,7 +554,7 @@ class DeltaRule(AdditiveRule):
     dg_out: str = "dg_part"
     dg_out_dtype: str = "tl.float32"
     values_note: str = " (chunked_states_kernel's U)"
-    released_before_output: str = ", w=None, ai=None"
+    released_before_output: str = ", w=None, ai=None, starts=None"
 
     def state_values(self, outputs: bool = False) -> str:
         # U is stored for the output pass and the backward's steps; a launch with OUTPUTS (the outputs
@@ -595,8 +595,10 @@ class DeltaRule(AdditiveRule):
         return "beta = beta.contiguous()"
 
     def saved(self) -> str:
-        # the rows of (I + A)^-1, where the backward's chunk divides the forward's (chunked_keeps_inverse)
-        return "saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None"
+        # the rows of (I + A)^-1, where the backward's chunk divides the forward's (chunked_keeps_inverse),
+        # and the states entering the segments (TransitionSegments) where the backward's pass starts from them
+        return ("saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None\n"
+                "starts = st.starts if for_backward and chunked_keeps_starts(q, v, cu_seqlens, launch) else None")
 
     def dq_start(self) -> str:
         return "b_duh = tl.zeros([BT, BF], dtype=tl.float32)"

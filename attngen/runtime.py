@@ -361,7 +361,7 @@ class Op:
         if not self.spec.is_linear:
             o, lse = run(*args)
             return (o, lse_layout(lse, call.varlen)) if return_lse else o
-        o, ht, _ = run(*args)
+        o, ht, *_ = run(*args)
         return o, (ht if output_final_state else None)
 
 

@@ -195,9 +195,11 @@ FORM = Arg("form", "str", "the kernel form: recurrent, chunked or bidirectional"
 LAUNCH = Arg("launch", "SymInt[]", "the form's launch knobs (planner.Launch.ints); [] for none")
 OUTPUT_FINAL_STATE = Arg("output_final_state", "bool", "whether the final state is returned")
 FOR_BACKWARD = Arg("for_backward", "bool", "whether the call will be differentiated: the forward then returns what its "
-                   "backward reuses (`saved`)", default="False")
+                   "backward reuses (`saved`, `starts`)", default="False")
 SAVED = Arg("saved", "Tensor", "what the forward kept for its backward (the delta rules' rows of (I + A)^-1); empty: "
             "the backward recomputes it")
+STARTS = Arg("starts", "Tensor?", "the states entering the forward's segments of each sequence [N, G - 1, H, F, V] float32, "
+             "as the delta rules' walk left them; None or empty: the backward walks them again")
 DO = Arg("do", "Tensor", "the gradient of a loss on the output o")
 DHT = Arg("dht", "Tensor?", "the final state's gradient; None where no loss reached it")
 DECAY_GRAD = Arg("decay_grad", "bool", "whether the decay's gradient is asked for (g requires grad); False: dg is None "
@@ -227,7 +229,7 @@ def _contract(arg: Arg, kind: str | None = None, default: str = "None") -> Arg:
 LINEAR_INPUTS = OpSignature((Q, K, V, G, BETA, OMEGA, INITIAL_STATE, CU_SEQLENS))
 LINEAR_OP = LINEAR_INPUTS + OpSignature((SCALE, FORM, LAUNCH, OUTPUT_FINAL_STATE, FOR_BACKWARD))
 LINEAR_CACHED = OpSignature((Q, K, V, G, BETA, OMEGA, STATE, SLOTS, CU_SEQLENS, SCALE, FORM, LAUNCH))
-LINEAR_BACKWARD = LINEAR_OP.without("output_final_state", "for_backward") + OpSignature((SAVED, DO, DHT, DECAY_GRAD))
+LINEAR_BACKWARD = LINEAR_OP.without("output_final_state", "for_backward") + OpSignature((SAVED, STARTS, DO, DHT, DECAY_GRAD))
 LINEAR_CONTRACT = OpSignature((
     Q, K, V, _contract(G), _contract(BETA), _contract(SCALE, "float?"), _contract(INITIAL_STATE),
     _contract(OUTPUT_FINAL_STATE, default="False"), _contract(CU_SEQLENS)))

@@ -1148,6 +1148,35 @@ def chunked_saved_like(q, v, form, launch, for_backward):
     return q.new_empty(0, dtype=torch.float32)
 
 
+def chunked_segments(N, H, V, T, chunk, launch, split):
+    """(G, SEG): the state passes' segments of each of N sequences of T tokens at `chunk`, H value heads of V
+    lanes (kernel_lib.chunked_state_segments, for the launch's programs); split False: one segment."""
+    return chunked_state_segments(N * H * ceil_div(V, launch.states_BV), T, chunk, launch.segments, split=split)
+
+
+def chunked_keeps_starts(q, v, cu_seqlens, launch):
+    """Whether a differentiated forward keeps the states entering its pass's segments (ChunkedStates.starts)
+    for its backward, which then starts its states' recomputation from them, with neither the segments'
+    first launch nor the walk.
+    Where the pass runs by segments and the backward's, at its own chunk, splits the sequences at the same
+    tokens (not packed sequences, which run one segment)."""
+    if cu_seqlens is not None:
+        return False
+    B, T, H, V = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
+    G, seg = chunked_segments(B, H, V, T, launch.chunk, launch, split=True)
+    bwd_G, bwd_seg = chunked_segments(B, H, V, T, launch.bwd_chunk, launch, split=True)
+    return G > 1 and G == bwd_G and seg * launch.chunk == bwd_seg * launch.bwd_chunk
+
+
+def chunked_starts_like(q, v, omega, cu_seqlens, form, launch, for_backward):
+    """An empty tensor like the op's `starts` output (chunked_fwd's), for the op's fake."""
+    if form == "chunked" and for_backward and chunked_keeps_starts(q, v, cu_seqlens, launch := chunked_launch(launch)):
+        B, T, H, _, V, F, _ = chunked_dims(q, v, omega)
+        G, _ = chunked_segments(B, H, V, T, launch.chunk, launch, split=True)
+        return q.new_empty(B, G - 1, H, F, V, dtype=torch.float32)
+    return q.new_empty(0, dtype=torch.float32)
+
+
 def chunked_states_dtype(dtype):
     """The dtype of the chunk-start states the forward's state pass stores for its output pass.
     The output pass reads them only as operands of its dot with the queries, which rounds them to
@@ -1170,10 +1199,11 @@ class ChunkedStates(NamedTuple):
     chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
     chunk_seq: Optional[torch.Tensor]
     n_slots: int
+    starts: Optional[torch.Tensor]          # [N, G - 1, H, F, V] float32: the states entering segments 1.. or None
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
-                   state_indices=None, h_dtype=torch.float32, ai=None, o=None, scale=None):
+                   state_indices=None, h_dtype=torch.float32, ai=None, starts=None, o=None, scale=None):
     """The UT transform, W, U0 and the keys (chunked_ut_kernel) and the sequential pass -> ChunkedStates.
     Shared by the forward and the backward, each at its own chunk and stages (launch a ChunkedLaunch:
     the prepare and state steps' warps and value blocks); kr, w and u are in chunked_pass_dtype.
@@ -1184,7 +1214,10 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     o: the forward's outputs like v, which the pass computes as it goes (at `scale`; the launch's
     output_in_states), storing no chunk-start states (h is empty).
     ai: the rows of (I + A)^-1 a forward kept [B, T, H, its chunk] (chunked_keeps_inverse), whose
-    diagonal [chunk, chunk] blocks this call reads in place of the UT step's inverse."""
+    diagonal [chunk, chunk] blocks this call reads in place of the UT step's inverse.
+    starts: the states entering segments 1 to G - 1 as a forward whose segments end at the same tokens
+    walked them (ChunkedStates.starts, chunked_keeps_starts): the call then runs neither the segments'
+    first launch nor the walk."""
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     BK, BF, BV = chunked_blocks(K, F, launch)
@@ -1219,46 +1252,53 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     grid = (N * H, ceil_div(V, launch.states_BV))
     # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
     # (kernel_lib.chunked_state_segments): their end states E, transitions M
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed)
-    he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
-    hd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
+    G, seg = chunked_segments(N, H, V, T, chunk, launch, split=cu_seqlens is None and not indexed)
+    if starts is not None:
+        # the forward's walk: no E or M
+        he, hd = starts, None
+    else:
+        he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
+        hd = torch.empty(N, G - 1, H, F, F, **f32) if G > 1 else None
     hez = None
     args = (q, o, k, v, g, omega, w, kr, gc, initial_state, h, hz, u, ht, he, hd, hez, cu_seqlens, chunk_offsets, state_indices,
             T, initial_state.shape[0] if initial_state is not None else N, seg, G - 1, H, K, V, F, VS, K ** -0.25, F ** -0.5, scale)
     meta = dict(meta, HAS_H0=initial_state is not None, STORE_HT=indexed or output_final_state, STATE_INDEXED=indexed,
                 SPLIT=G > 1, BV=launch.states_BV, num_warps=launch.states_warps, maxnreg=launch.maxnreg, num_stages=stages,
                 QK_GROUP=chunked_qk_group(q, v), G_DTYPE=chunked_decay_dtype(q.dtype), OUTPUTS=o is not None)
-    if G > 1:
+    if G > 1 and starts is None:
         # each segment's end state E and transition M (by programs of their own), then the states from them
         chunked_states_kernel[(grid[0], grid[1] + ceil_div(F, launch.states_BV), G - 1)](*args, ENDS=True, **meta)
         # the state entering each segment, over the E before it (hooks.TransitionSegments)
         chunked_segment_starts(initial_state, he, hd, grid, H, F, V, VS, BF, launch.states_BV, meta["DOT_PRECISION"],
                                reverse=False)
     chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
-    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
+    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots, he)
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
                 for_backward=False, state_indices=None):
     """Launch the chunked form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
     grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
-    None; the cache, with state_indices: see chunked_states), `saved`: what chunked_bwd reuses (with
-    for_backward, the rows of (I + A)^-1 where chunked_keeps_inverse) or None."""
+    None; the cache, with state_indices: see chunked_states), and what chunked_bwd reuses, with for_backward
+    (else None): `saved`, the rows of (I + A)^-1 where chunked_keeps_inverse, and `starts`, the states
+    entering the segments (ChunkedStates.starts) where chunked_keeps_starts."""
     if launch.output_in_states:
         # the state pass computes the outputs (planner.output_in_states): no chunk-start states, no output pass
         o = torch.empty_like(v)
         st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, launch.chunk, launch.stages, launch,
                             output_final_state, state_indices=state_indices, o=o, scale=scale)
         saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None
-        return o, st.ht, saved
+        starts = st.starts if for_backward and chunked_keeps_starts(q, v, cu_seqlens, launch) else None
+        return o, st.ht, saved, starts
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
     saved = st.ai if for_backward and chunked_keeps_inverse(launch) else None
+    starts = st.starts if for_backward and chunked_keeps_starts(q, v, cu_seqlens, launch) else None
     # the output pass reads the states and U only: the rest goes back before o is allocated
-    st = st._replace(kr=None, gc=None, w=None, ai=None)
+    st = st._replace(kr=None, gc=None, w=None, ai=None, starts=None)
     o = torch.empty_like(v)
     for kernel in CHUNKED_OUTPUT_KERNELS:
         kernel[(st.n_slots * ceil_div(V, BV) * H,)](
@@ -1268,7 +1308,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
             DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
             num_warps=launch.output_warps, maxnreg=launch.maxnreg,
         )
-    return o, st.ht, saved
+    return o, st.ht, saved, starts
 # ---------------------------------------------------------------------------- chunked backward (delta rule)
 # Gradients of the chunked form (forms.py has the chunk equations) with the delta rule. Per chunk,
 # with chunk-start state h_c, the gradient dS of the chunk-end state, P the decayed causal scores,
@@ -1761,9 +1801,11 @@ def chunked_bwd_states_dtype(dtype):
     return chunked_pass_dtype(dtype)
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht, decay_grad=True):
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, starts, do, dht,
+                decay_grad=True):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch,
-    saved what chunked_fwd kept for it (the rows of (I + A)^-1 or an empty tensor) ->
+    saved and starts what chunked_fwd kept for it (the rows of (I + A)^-1 and the states entering its segments, or
+    empty tensors) ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None).
     decay_grad: the delta rules' UT step sums the decay gradient with step 4's, which it always computes."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
@@ -1780,8 +1822,12 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
     # step 1: the forward's UT transform and sequential pass: h_c, U, W, the decayed keys, Γ_C, (I + A)^-1;
     # W, U0 and the keys from the forward's (I + A)^-1 where it kept it (chunked_keeps_inverse)
     ai = saved if saved is not None and saved.numel() else None
+    # and from the states entering the forward's segments where it kept them (chunked_keeps_starts)
+    starts = starts if starts is not None and starts.numel() else None
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.bwd_stages, launch,
-                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype), ai=ai)
+                        output_final_state=False, h_dtype=chunked_bwd_states_dtype(q.dtype), ai=ai, starts=starts)
+    # (the states entering its segments: no later step reads them)
+    st = st._replace(starts=None)
     f32 = dict(device=q.device, dtype=torch.float32)
     tiles = dict(device=q.device, dtype=chunked_pass_dtype(q.dtype))
     chunks = dict(cu_seqlens=cu_seqlens, chunk_offsets=st.chunk_offsets, chunk_seq=st.chunk_seq)
@@ -1857,8 +1903,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
             state_indices=None):
     """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
-    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None, what the backward
-    reuses or None: with for_backward, chunked_fwd's `saved`).
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None, and what the backward
+    reuses or None: with for_backward, chunked_fwd's `saved` and `starts`).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -1868,7 +1914,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
         return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                               state_indices), None)
+                               state_indices), None, None)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
                        output_final_state, for_backward, state_indices)
 
@@ -1878,12 +1924,12 @@ def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, form: str, launch: list[int], output_final_state: bool, for_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (o, the final state or an empty tensor, what the backward reuses or an empty tensor)
-    o, ht, saved = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
-                           for_backward)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (o, the final state or an empty tensor, what the backward reuses or empty tensors)
+    o, ht, saved, starts = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
+                                   output_final_state, for_backward)
     empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731 (a tensor each: outputs may not alias)
-    return o, ht if ht is not None else empty(), saved if saved is not None else empty()
+    return o, *(t if t is not None else empty() for t in (ht, saved, starts))
 
 
 @op.register_fake
@@ -1894,7 +1940,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht, chunked_saved_like(q, v, form, launch, for_backward)
+    return (torch.empty_like(v), ht, chunked_saved_like(q, v, form, launch, for_backward),
+            chunked_starts_like(q, v, omega, cu_seqlens, form, launch, for_backward))
 
 
 @torch.library.custom_op("attngen::gated_deltanet_8da2b838a7660fad_cached", mutates_args=("state",))
@@ -1919,14 +1966,14 @@ def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
-def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht,
                      decay_grad):
     """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
         grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), saved,
-                            do, dht, decay_grad)
+                            starts, do, dht, decay_grad)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
     # (a decay gradient not asked for is None, whether or not the kernels skipped it)
     dg = dg if decay_grad else None
@@ -1937,24 +1984,24 @@ def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, 
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-    decay_grad: bool = True,
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, starts: Optional[torch.Tensor], do: torch.Tensor,
+    dht: Optional[torch.Tensor], decay_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
-    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
-                            decay_grad)
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do,
+                            dht, decay_grad)
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht, decay_grad):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht, decay_grad):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g if decay_grad else None), like(beta), like(initial_state)
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None, dispatch=True, decay_grad=True):
-    """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
-    (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
+             o, ht, saved, starts, do, dht, dsaved=None, dstarts=None, dispatch=True, decay_grad=True):
+    """Gradients of one call from the op's arguments, its outputs (o, ht, saved, starts) and their gradients
+    (dsaved and dstarts, the residuals', are never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
     order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
     registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
     decay_grad False (g does not require grad): dg is None, and the additive rule's kernels skip its terms.
@@ -1966,7 +2013,7 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     run = backward_op if dispatch else backward_kernels
     dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
-                                     do.contiguous(), dht, decay_grad)
+                                     starts, do.contiguous(), dht, decay_grad)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))

@@ -688,6 +688,29 @@ def chunked_saved_like(q, v, form, launch, for_backward):
     return q.new_empty(0, dtype=torch.float32)
 
 
+def chunked_segments(N, H, V, T, chunk, launch, split):
+    """(G, SEG): the state passes' segments of each of N sequences of T tokens at `chunk`, H value heads of V
+    lanes (kernel_lib.chunked_state_segments, for the launch's programs); split False: one segment."""
+    return chunked_state_segments(N * H * ceil_div(V, launch.states_BV), T, chunk, launch.segments, split=split)
+
+
+def chunked_keeps_starts(q, v, cu_seqlens, launch):
+    """Whether a differentiated forward keeps the states entering its pass's segments (ChunkedStates.starts)
+    for its backward, which then starts its states' recomputation from them, with neither the segments'
+    first launch nor the walk.
+    The additive rule's second launch walks the segments itself: it keeps none."""
+    return False
+
+
+def chunked_starts_like(q, v, omega, cu_seqlens, form, launch, for_backward):
+    """An empty tensor like the op's `starts` output (chunked_fwd's), for the op's fake."""
+    if form == "chunked" and for_backward and chunked_keeps_starts(q, v, cu_seqlens, launch := chunked_launch(launch)):
+        B, T, H, _, V, F, _ = chunked_dims(q, v, omega)
+        G, _ = chunked_segments(B, H, V, T, launch.chunk, launch, split=True)
+        return q.new_empty(B, G - 1, H, F, V, dtype=torch.float32)
+    return q.new_empty(0, dtype=torch.float32)
+
+
 def chunked_states_dtype(dtype):
     """The dtype of the chunk-start states the forward's state pass stores for its output pass.
     The output pass reads them only as operands of its dot with the queries, which rounds them to
@@ -710,6 +733,7 @@ class ChunkedStates(NamedTuple):
     chunk_offsets: Optional[torch.Tensor]   # chunk_slots'
     chunk_seq: Optional[torch.Tensor]
     n_slots: int
+    starts: Optional[torch.Tensor]          # [N, G - 1, H, F, V] float32: the states entering segments 1.. or None
 
 
 def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, stages, launch, output_final_state,
@@ -742,7 +766,7 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
     grid = (N * H, ceil_div(V, launch.states_BV))
     # the pass by segments of seg chunks where its programs leave SMs idle, or as the launch asks
     # (kernel_lib.chunked_state_segments): their end states E, decays D
-    G, seg = chunked_state_segments(grid[0] * grid[1], T, chunk, launch.segments, split=cu_seqlens is None and not indexed)
+    G, seg = chunked_segments(N, H, V, T, chunk, launch, split=cu_seqlens is None and not indexed)
     he = torch.empty(N, G - 1, H, F, V, **f32) if G > 1 else None
     hd = torch.empty(N, G - 1, H, F, **f32) if G > 1 else None
     hez = None
@@ -755,27 +779,28 @@ def chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, st
         # each segment's end state E and decay D, then the states from them
         chunked_states_kernel[grid + (G - 1,)](*args, ENDS=True, **meta)
     chunked_states_kernel[grid + (G,)](*args, ENDS=False, **meta)
-    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots)
+    return ChunkedStates(h, hz, ht, kr, gc, w, u, ai, chunk_offsets, chunk_seq, n_slots, None)
 
 
 def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, output_final_state,
                 for_backward=False, state_indices=None):
     """Launch the chunked form. q, k [B, T, HK, K], v [B, T, H, V] contiguous (H a multiple of HK:
     grouped value heads), launch a ChunkedLaunch -> o like v, final state [N, H, F, VS] float32 (or
-    None; the cache, with state_indices: see chunked_states), `saved`: what chunked_bwd reuses (with
-    for_backward: nothing, the additive rule) or None."""
+    None; the cache, with state_indices: see chunked_states), and what chunked_bwd reuses, with for_backward
+    (else None): `saved` and `starts`, None: the additive rule keeps nothing."""
     if launch.output_in_states:
         # the state pass computes the outputs (planner.output_in_states): no chunk-start states, no output pass
         o = torch.empty_like(v)
         st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, launch.chunk, launch.stages, launch,
                             output_final_state, state_indices=state_indices, o=o, scale=scale)
-        return o, st.ht, None
+        saved, starts = None, None
+        return o, st.ht, saved, starts
     B, T, H, K, V, F, VS = chunked_dims(q, v, omega)
     BK, BF, _ = chunked_blocks(K, F, launch)
     BV, chunk = launch.output_BV, launch.chunk
     st = chunked_states(q, k, v, g, beta, omega, initial_state, cu_seqlens, chunk, launch.stages, launch,
                         output_final_state, state_indices=state_indices, h_dtype=chunked_states_dtype(q.dtype))
-    saved = None
+    saved, starts = None, None
     # the output pass reads the states only: the rest goes back before o is allocated
     st = st._replace(kr=None, gc=None)
     o = torch.empty_like(v)
@@ -787,7 +812,7 @@ def chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
             DOT_PRECISION=chunked_dot_precision(q.dtype), G_DTYPE=chunked_decay_dtype(q.dtype), QK_GROUP=chunked_qk_group(q, v),
             num_warps=launch.output_warps, maxnreg=launch.maxnreg,
         )
-    return o, st.ht, saved
+    return o, st.ht, saved, starts
 # ---------------------------------------------------------------------------- chunked backward
 # Gradients of the chunked form (forms.py has the chunk equations): the additive rule on values
 # U = v. Per chunk, with chunk-start state h_c, the gradient dS of the chunk-end state,
@@ -1134,9 +1159,10 @@ def chunked_bwd_states_dtype(dtype):
     return chunked_pass_dtype(dtype)
 
 
-def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, do, dht, decay_grad=True):
+def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launch, saved, starts, do, dht,
+                decay_grad=True):
     """Gradients of chunked_fwd: do like v, dht [N, H, F, V] float32 or None, launch a ChunkedLaunch,
-    saved what chunked_fwd kept for it (an empty tensor: the additive rule keeps nothing) ->
+    saved and starts what chunked_fwd kept for it (empty tensors: the additive rule keeps nothing) ->
     (dq, dk, dv, dg, dbeta, None, dh0, None), each like its input (None where the input is None).
     decay_grad False: dg is None and the dq and dk steps skip the decay gradient's terms (DG)."""
     # the backward's own chunk (planner.ChunkedLaunch): it recomputes its states
@@ -1203,8 +1229,8 @@ def chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, launc
 def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
             state_indices=None):
     """Run the kernels of one form (launch: the chunked form's knobs, ChunkedLaunch's ints; [] for the
-    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None, what the backward
-    reuses or None: with for_backward, chunked_fwd's `saved`).
+    recurrent form). Returns (o [B, T, H, V], final state [N, H, F, Vs] or None, and what the backward
+    reuses or None: with for_backward, chunked_fwd's `saved` and `starts`).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -1214,7 +1240,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
         return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                               state_indices), None)
+                               state_indices), None, None)
     return chunked_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch),
                        output_final_state, for_backward, state_indices)
 
@@ -1224,12 +1250,12 @@ def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, form: str, launch: list[int], output_final_state: bool, for_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (o, the final state or an empty tensor, what the backward reuses or an empty tensor)
-    o, ht, saved = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
-                           for_backward)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (o, the final state or an empty tensor, what the backward reuses or empty tensors)
+    o, ht, saved, starts = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
+                                   output_final_state, for_backward)
     empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731 (a tensor each: outputs may not alias)
-    return o, ht if ht is not None else empty(), saved if saved is not None else empty()
+    return o, *(t if t is not None else empty() for t in (ht, saved, starts))
 
 
 @op.register_fake
@@ -1240,7 +1266,8 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     VS = v.shape[-1]
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht, chunked_saved_like(q, v, form, launch, for_backward)
+    return (torch.empty_like(v), ht, chunked_saved_like(q, v, form, launch, for_backward),
+            chunked_starts_like(q, v, omega, cu_seqlens, form, launch, for_backward))
 
 
 @torch.library.custom_op("attngen::mamba2_fbdb4a761c3e29f3_cached", mutates_args=("state",))
@@ -1265,14 +1292,14 @@ def _(q, k, v, g, beta, omega, state, slots, cu_seqlens, scale, form, launch):
 BACKWARD_FORMS = RECURRENT_BACKWARD + CHUNKED_BACKWARD
 
 
-def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht,
                      decay_grad):
     """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
         grads = recurrent_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, do, dht)
     else:
         grads = chunked_bwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, chunked_launch(launch), saved,
-                            do, dht, decay_grad)
+                            starts, do, dht, decay_grad)
     dq, dk, dv, dg, dbeta, _, dh0, _ = grads
     # (a decay gradient not asked for is None, whether or not the kernels skipped it)
     dg = dg if decay_grad else None
@@ -1283,24 +1310,24 @@ def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, 
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-    decay_grad: bool = True,
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, starts: Optional[torch.Tensor], do: torch.Tensor,
+    dht: Optional[torch.Tensor], decay_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
-    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
-                            decay_grad)
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do,
+                            dht, decay_grad)
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht, decay_grad):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht, decay_grad):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g if decay_grad else None), like(beta), like(initial_state)
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None, dispatch=True, decay_grad=True):
-    """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
-    (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
+             o, ht, saved, starts, do, dht, dsaved=None, dstarts=None, dispatch=True, decay_grad=True):
+    """Gradients of one call from the op's arguments, its outputs (o, ht, saved, starts) and their gradients
+    (dsaved and dstarts, the residuals', are never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
     order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
     registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
     decay_grad False (g does not require grad): dg is None, and the additive rule's kernels skip its terms.
@@ -1312,7 +1339,7 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     run = backward_op if dispatch else backward_kernels
     dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
-                                     do.contiguous(), dht, decay_grad)
+                                     starts, do.contiguous(), dht, decay_grad)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))

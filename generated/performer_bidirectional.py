@@ -783,7 +783,7 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
             state_indices=None):
     """Run the kernels of one form (launch: [], these kernels take no launch knobs). Returns
     (o [B, T, H, V], final state [N, H, F, Vs] or None, what the backward reuses or None: with
-    for_backward, the bidirectional form's state [N, H, F, Vs] float32).
+    for_backward, the bidirectional form's state [N, H, F, Vs] float32, and None: no segment starts).
     With state_indices [N], initial_state is a serving cache [S, H, F, Vs] float32, sequence n's
     state in its row state_indices[n], read and written back in place."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -793,8 +793,9 @@ def forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, lau
     cu_seqlens = cu_seqlens.contiguous() if cu_seqlens is not None else None
     if form == "recurrent":
         return (*recurrent_fwd(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, output_final_state,
-                               state_indices), None)
-    return bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state, for_backward)
+                               state_indices), None, None)
+    return (*bidirectional_fwd(q, k, v, omega, initial_state, cu_seqlens, scale, output_final_state,
+                               for_backward), None)
 
 
 @torch.library.custom_op("attngen::performer_bidirectional_0370031a32b3922a", mutates_args=())
@@ -802,12 +803,12 @@ def op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
     scale: float, form: str, launch: list[int], output_final_state: bool, for_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (o, the final state or an empty tensor, what the backward reuses or an empty tensor)
-    o, ht, saved = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state,
-                           for_backward)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (o, the final state or an empty tensor, what the backward reuses or empty tensors)
+    o, ht, saved, starts = forward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch,
+                                   output_final_state, for_backward)
     empty = lambda: q.new_empty(0, dtype=torch.float32)  # noqa: E731 (a tensor each: outputs may not alias)
-    return o, ht if ht is not None else empty(), saved if saved is not None else empty()
+    return o, *(t if t is not None else empty() for t in (ht, saved, starts))
 
 
 @op.register_fake
@@ -819,7 +820,7 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
     VS = v.shape[-1] + 1
     ht = q.new_empty(N, H, F, VS, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
     saved = q.new_empty(N, H, F, VS, dtype=torch.float32) if for_backward and form != "recurrent" else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht, saved
+    return torch.empty_like(v), ht, saved, q.new_empty(0, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------- the backward
@@ -828,7 +829,7 @@ def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, o
 BACKWARD_FORMS = RECURRENT_BACKWARD + ("parallel",)
 
 
-def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
+def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht,
                      decay_grad):
     """backward_op's kernels without the dispatcher (the first call's dry run, compiling.dry_run)."""
     if form == "recurrent":
@@ -845,24 +846,24 @@ def backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, 
 def backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
     omega: Optional[torch.Tensor], initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor],
-    scale: float, form: str, launch: list[int], saved: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor],
-    decay_grad: bool = True,
+    scale: float, form: str, launch: list[int], saved: torch.Tensor, starts: Optional[torch.Tensor], do: torch.Tensor,
+    dht: Optional[torch.Tensor], decay_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # An op of its own, so that torch.compile traces the backward as one opaque call.
-    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht,
-                            decay_grad)
+    return backward_kernels(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do,
+                            dht, decay_grad)
 
 
 @backward_op.register_fake
-def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, do, dht, decay_grad):
+def _(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved, starts, do, dht, decay_grad):
     like = lambda t: torch.empty_like(t) if t is not None else q.new_empty(0)
     return like(q), like(k), like(v), like(g if decay_grad else None), like(beta), like(initial_state)
 
 
 def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, output_final_state, for_backward,
-             o, ht, saved, do, dht, dsaved=None, dispatch=True, decay_grad=True):
-    """Gradients of one call from the op's arguments, its outputs (o, ht, saved) and their gradients
-    (dsaved, the residual's, is never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
+             o, ht, saved, starts, do, dht, dsaved=None, dstarts=None, dispatch=True, decay_grad=True):
+    """Gradients of one call from the op's arguments, its outputs (o, ht, saved, starts) and their gradients
+    (dsaved and dstarts, the residuals', are never used): (dq, dk, dv, dg, dbeta, None, dh0, None) in the op's input
     order (None for omega and cu_seqlens, and for inputs that were None). dispatch: through the
     registered backward_op (autograd, torch.compile), or False its kernels alone (the first call's dry run).
     decay_grad False (g does not require grad): dg is None, and the additive rule's kernels skip its terms.
@@ -874,7 +875,7 @@ def backward(q, k, v, g, beta, omega, initial_state, cu_seqlens, scale, form, la
     q_v, k_v = (q, k) if group == 1 else (q.repeat_interleave(group, 2), k.repeat_interleave(group, 2))
     run = backward_op if dispatch else backward_kernels
     dq, dk, dv, dg, dbeta, dh0 = run(q_v, k_v, v, g, beta, omega, initial_state, cu_seqlens, scale, form, launch, saved,
-                                     do.contiguous(), dht, decay_grad)
+                                     starts, do.contiguous(), dht, decay_grad)
     if group > 1:
         # summed in float32: bf16 gradients would round at each of the G - 1 additions
         dq, dk = (d.unflatten(2, (q.shape[2], group)).sum(3, dtype=torch.float32).to(d.dtype) for d in (dq, dk))

@@ -314,7 +314,7 @@ def test_delta_rule_with_constant_decay_keeps_the_pytorch_backward(kernel_backwa
     module = codegen.load_module(op.spec)
     assert "chunked" not in module.BACKWARD_FORMS
     with pytest.raises(ValueError, match="constant"):
-        module.chunked_bwd(*[None] * 13)
+        module.chunked_bwd(*[None] * 14)
     calls.clear()
     inputs = random_inputs(op.spec, Shape(batch=1, q_len=20, heads=1, head_dim=8, value_dim=6))
     rows = compare(op.spec, lambda **kw: op(**kw, form="chunked", chunk_size=16), inputs, torch.float32)
@@ -402,23 +402,74 @@ def test_backward_reads_the_forwards_inverse(monkeypatch, name, chunk, bwd_chunk
                               omega=None, scale=0.5, form=form, launch=launch, output_final_state=True,
                               for_backward=for_backward)
 
-    o, ht, saved = module.op(*args(True))
+    o, ht, saved, starts = module.op(*args(True))
     B, T_, H = inputs["v"].shape[:3]
     assert tuple(saved.shape) == ((B, T_, H, chunk) if keeps else (0,))
     assert module.op(*args(False))[2].numel() == 0
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
     dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(2))
     ut_calls.clear(), wu_calls.clear()
-    reused = module.backward(*args(True), o, ht, saved, do, dht)
+    reused = module.backward(*args(True), o, ht, saved, starts, do, dht)
     if keeps:
         assert (len(ut_calls), len(wu_calls)) == (0, 1)
     else:
         assert len(ut_calls) == (op.spec.update == "delta")
-    recomputed = module.backward(*args(True), o, ht, torch.empty(0), do, dht)
+    recomputed = module.backward(*args(True), o, ht, torch.empty(0), starts, do, dht)
     for got, ref in zip(reused, recomputed):
         assert (got is None) == (ref is None)
         if got is not None:
             assert rel_error(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("name, chunk, bwd_chunk, segments, reused", [
+    ("deltanet", 32, 16, 2, True), ("gated_deltanet", 32, 16, 4, False), ("gated_deltanet", 16, 16, 3, True),
+])
+def test_backward_starts_from_the_forwards_segments(monkeypatch, name, chunk, bwd_chunk, segments, reused):
+    """A differentiated delta-rule forward whose state pass ran by segments returns the states entering
+    them (`starts` [N, G - 1, H, F, V] float32, as the op's fake has it) where the backward's segments end
+    at the same tokens (256 tokens: 2 segments of 4 chunks of 32 and of 8 of 16; 3 of 6 chunks of 16).
+    The backward starts its recomputation from them, walking no segments of its own, with the gradients
+    of a backward that walks them (float32 rounding apart; starts of zeros change them). Elsewhere (2
+    segments of 128 tokens against 4 of 64) the forward keeps none and the backward walks its own."""
+    from attngen.signature import LINEAR_OP
+
+    op = attngen.load(SPECS[name])
+    module = codegen.load_module(op.spec)
+    inputs = random_inputs(op.spec, Shape(batch=2, q_len=256, heads=2, head_dim=8, value_dim=6), seed=segments)
+    form, ints = kernel_launch(op, inputs, "chunked", chunk)
+    launch = dataclasses.replace(planner.ChunkedLaunch(*ints), chunk=chunk, bwd_chunk=bwd_chunk,
+                                 segments=segments).ints()
+    walks, real_walk = [], module.chunked_segment_starts
+
+    def walk(*args, reverse):
+        walks.append(reverse)
+        return real_walk(*args, reverse=reverse)
+
+    monkeypatch.setattr(module, "chunked_segment_starts", walk)
+
+    def args(for_backward):
+        return LINEAR_OP.bind(**{n: inputs.get(n) for n in ("q", "k", "v", "g", "beta", "initial_state", "cu_seqlens")},
+                              omega=None, scale=0.5, form=form, launch=launch, output_final_state=True,
+                              for_backward=for_backward)
+
+    o, ht, saved, starts = module.op(*args(True))
+    G = 3 if segments == 3 else 2
+    assert tuple(starts.shape) == ((2, G - 1, 2, 8, 6) if reused else (0,)) and starts.dtype == torch.float32
+    assert module.chunked_starts_like(inputs["q"], inputs["v"], None, None, form, launch, True).shape == starts.shape
+    assert module.op(*args(False))[3].numel() == 0
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(2))
+    walks.clear()
+    got = module.backward(*args(True), o, ht, saved, starts, do, dht)
+    # the state gradient's walk (reverse), and the states' where the forward kept none
+    assert walks == ([True] if reused else [False, True])
+    if not reused:
+        return
+    walked = module.backward(*args(True), o, ht, saved, None, do, dht)
+    zeros = module.backward(*args(True), o, ht, saved, torch.zeros_like(starts), do, dht)
+    errors = [rel_error(a, b) for a, b in zip(got, walked) if a is not None]
+    assert len(errors) >= 5 and max(errors) < 1e-5, errors
+    assert max(rel_error(a, b) for a, b in zip(zeros, walked) if a is not None) > 1e-2
 
 
 @pytest.mark.parametrize("grad", [True, False])
@@ -509,3 +560,6 @@ def test_delta_rules_state_passes_in_segments(kernel_backward, monkeypatch, name
         ends = [grid for grid in launched if grid[2] == segments - 1]
         states = [grid for grid in launched if grid[2] == segments]
         assert ends and states and all(e[1] > s[1] for e, s in zip(ends, states)), (kernel, launched)
+    # the backward's recomputation starts from the forward's walk (ChunkedStates.starts): no ends of its own
+    launched = [grid for k, grid in grids if k == "chunked_states_kernel"]
+    assert [grid[2] for grid in launched] == [segments - 1, segments, segments], launched

@@ -77,10 +77,10 @@ def test_generated_entry_points_take_a_strided_cu_seqlens(name, form):
             o, lse = module.op(q, k, v, g, cu_seqlens, 0.5, 6, launch)
             return (o, lse, *module.backward(q, k, v, g, cu_seqlens, 0.5, 6, launch, o, lse, do, None)[:4])
         args = (q, k, v, g, beta, None, None, cu_seqlens, 0.5, kernel_form, launch)
-        o, ht, saved = module.op(*args, True, True)
+        o, ht, saved, starts = module.op(*args, True, True)
         if form not in module.BACKWARD_FORMS:
             return o, ht
-        grads = module.backward(*args, True, True, o, ht, saved, do, torch.ones_like(ht))
+        grads = module.backward(*args, True, True, o, ht, saved, starts, do, torch.ones_like(ht))
         return (o, ht, *(gr for gr in grads if gr is not None))
 
     cu = inputs["cu_seqlens"]

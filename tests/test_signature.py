@@ -13,15 +13,15 @@ from attngen import codegen, distributed, inputs, load_spec, runtime, signature
 from tests.specs import shipped, stem
 
 # torch.ops.attngen.<name> schemas as they were before signature.py rendered them (the linear op's
-# for_backward and its backward's saved since); <hash> stands for the spec's hash
+# for_backward and its backward's saved and starts since); <hash> stands for the spec's hash
 PINNED = {
     "gated_deltanet": [
         "attngen::gated_deltanet_<hash>(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? omega, "
         "Tensor? initial_state, Tensor? cu_seqlens, float scale, str form, SymInt[] launch, bool output_final_state, "
-        "bool for_backward=False) -> (Tensor, Tensor, Tensor)",
+        "bool for_backward=False) -> (Tensor, Tensor, Tensor, Tensor)",
         "attngen::gated_deltanet_<hash>_bwd(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, Tensor? omega, "
-        "Tensor? initial_state, Tensor? cu_seqlens, float scale, str form, SymInt[] launch, Tensor saved, Tensor do, "
-        "Tensor? dht, bool decay_grad=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "Tensor? initial_state, Tensor? cu_seqlens, float scale, str form, SymInt[] launch, Tensor saved, Tensor? starts, "
+        "Tensor do, Tensor? dht, bool decay_grad=True) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
         "attngen::gated_deltanet_<hash>_cached(Tensor q, Tensor k, Tensor v, Tensor? g, Tensor? beta, "
         "Tensor? omega, Tensor(a6!) state, Tensor slots, Tensor? cu_seqlens, float scale, str form, "
         "SymInt[] launch) -> Tensor",
@@ -80,7 +80,7 @@ def test_registered_schemas_are_the_signatures(path):
     got = {k: _unaliased(s) for k, s in _registered(spec).items()}
     op = f"attngen::{spec.name}_<hash>"
     want = {
-        "": sig.op.schema(op, "(Tensor, Tensor, Tensor)" if spec.is_linear else "(Tensor, Tensor)"),
+        "": sig.op.schema(op, "(Tensor, Tensor, Tensor, Tensor)" if spec.is_linear else "(Tensor, Tensor)"),
         "contract": sig.contract.schema(f"attngen::{spec.name}", "(Tensor, Tensor)" if spec.is_linear else "Tensor"),
     }
     if spec.is_linear:

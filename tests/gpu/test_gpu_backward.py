@@ -10,7 +10,7 @@ import torch
 
 import attngen
 from attngen import codegen
-from attngen.testing import Shape, compare, random_inputs
+from attngen.testing import Shape, compare, force_launch, random_inputs, spy_launches
 
 from specs import SHIPPED, shipped
 
@@ -37,6 +37,24 @@ def test_gradients_match_oracle(path, dname, T, d):
     rows = compare(op.spec, lambda **kw: op(**kw), inputs, DTYPES[dname], with_grads=True, device="cuda")
     bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
     assert not bad, "; ".join(bad)
+
+
+@pytest.mark.parametrize("dname", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_gradients_from_the_forwards_segment_starts(name, dname, monkeypatch):
+    """The delta rules' state passes by four segments of 256 tokens (1000 tokens; forward chunks of 64, backward
+    chunks of 32): the backward's recomputation starts from the states entering the segments that the forward's
+    walk left (the op's `starts`), with no segment ends of its own; gradients against the oracle."""
+    op = attngen.load(SHIPPED[name])
+    force_launch(monkeypatch, chunk=64, bwd_chunk=32, segments=4)
+    launches = spy_launches(monkeypatch, codegen.load_module(op.spec), ["chunked_states_kernel"])
+    inputs = random_inputs(op.spec, Shape(batch=1, q_len=1000, heads=2, head_dim=128, value_dim=128), seed=5)
+    rows = compare(op.spec, lambda **kw: op(**kw, form="chunked"), inputs, DTYPES[dname], with_grads=True,
+                   device="cuda")
+    bad = [f"{n}: {e:.2e} > {t:.2e}" for n, e, t in rows if not e <= t]
+    assert not bad, "; ".join(bad)
+    # the forward's ends and states, then the backward's states alone
+    assert [kw["ENDS"] for _, _, kw in launches] == [True, False, False], [(g, kw["ENDS"]) for _, g, kw in launches]
 
 
 @pytest.mark.parametrize("T", [63, 1000])
