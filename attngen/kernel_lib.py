@@ -26,7 +26,8 @@ __all__ = ["BIDIRECTIONAL_MIN_TILES", "BIDIRECTIONAL_SPAN_TILES", "LOG2E", "SEGM
            "SEGMENT_SMS", "bidirectional_blocks", "bidirectional_favor_precision", "ceil_div", "chunk_slots", "chunked_blocks",
            "chunked_cast", "chunked_check_chunk", "chunked_decay_dtype", "chunked_dot", "chunked_dot_precision",
            "chunked_fp32_dot", "chunked_pass_dtype", "chunked_qk_group", "chunked_round", "chunked_segment_starts", "chunked_segment_starts_kernel",
-           "chunked_segment_transition", "chunked_solve_dot", "chunked_state_segments", "favor_dot",
+           "chunked_segment_transition", "chunked_segments", "chunked_segments_agree", "chunked_solve_dot",
+           "chunked_state_segments", "favor_dot",
            "favor_exponent_row", "favor_exponent_tile", "favor_exponent_tile_t", "favor_grad_tile", "floor_log_decay",
            "interpreted", "packed_max_len", "pow2_ceil", "pow2_floor", "softmax_append_done",
            "softmax_append_rows", "softmax_bwd_preprocess_kernel", "softmax_decay_pairs", "softmax_kv_split_len", "softmax_lse_dtype", "softmax_scaled", "softmax_segment_cumsum",
@@ -311,6 +312,24 @@ def chunked_state_segments(programs, T, chunk, segments=0, split=True):
         G = max(1, min(SEGMENT_PROGRAMS // programs, n // SEGMENT_MIN_CHUNKS))
     seg = ceil_div(n, G)
     return ceil_div(n, seg), seg
+
+
+def chunked_segments(N, H, V, T, chunk, launch, split):
+    """(G, SEG) of a chunked state pass at `chunk` (chunked_state_segments) over N sequences of T tokens,
+    H value heads of V lanes, at the launch's value blocks (states_BV) and segments; split as there."""
+    return chunked_state_segments(N * H * ceil_div(V, launch.states_BV), T, chunk, launch.segments, split=split)
+
+
+def chunked_segments_agree(q, v, cu_seqlens, launch):
+    """Whether a call's forward state pass (at launch.chunk) and its backward's (at launch.bwd_chunk) both
+    run by segments and split the sequences at the same tokens: q [B, T, HK, K], v [B, T, H, V]; packed
+    sequences (cu_seqlens) run one segment."""
+    if cu_seqlens is not None:
+        return False
+    B, T, H, V = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
+    G, seg = chunked_segments(B, H, V, T, launch.chunk, launch, split=True)
+    bwd_G, bwd_seg = chunked_segments(B, H, V, T, launch.bwd_chunk, launch, split=True)
+    return G > 1 and G == bwd_G and seg * launch.chunk == bwd_seg * launch.bwd_chunk
 
 
 # The bidirectional form's launch (templates/linear_bidirectional.py.jinja): its two steps parallel over the

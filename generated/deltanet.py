@@ -31,8 +31,8 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, chunked_segment_starts, chunked_solve_dot, chunked_state_segments,
-                                pow2_ceil)
+                                chunked_qk_group, chunked_segment_starts, chunked_segments, chunked_segments_agree,
+                                chunked_solve_dot, chunked_state_segments, pow2_ceil)
 
 SPEC_NAME = "deltanet"
 SPEC_HASH = "c923b713b2e0c3ef"
@@ -1038,24 +1038,12 @@ def chunked_saved_like(q, v, form, launch, for_backward):
     return q.new_empty(0, dtype=torch.float32)
 
 
-def chunked_segments(N, H, V, T, chunk, launch, split):
-    """(G, SEG): the state passes' segments of each of N sequences of T tokens at `chunk`, H value heads of V
-    lanes (kernel_lib.chunked_state_segments, for the launch's programs); split False: one segment."""
-    return chunked_state_segments(N * H * ceil_div(V, launch.states_BV), T, chunk, launch.segments, split=split)
-
-
 def chunked_keeps_starts(q, v, cu_seqlens, launch):
     """Whether a differentiated forward keeps the states entering its pass's segments (ChunkedStates.starts)
     for its backward, which then starts its states' recomputation from them, with neither the segments'
     first launch nor the walk.
-    Where the pass runs by segments and the backward's, at its own chunk, splits the sequences at the same
-    tokens (not packed sequences, which run one segment)."""
-    if cu_seqlens is not None:
-        return False
-    B, T, H, V = q.shape[0], q.shape[1], v.shape[2], v.shape[3]
-    G, seg = chunked_segments(B, H, V, T, launch.chunk, launch, split=True)
-    bwd_G, bwd_seg = chunked_segments(B, H, V, T, launch.bwd_chunk, launch, split=True)
-    return G > 1 and G == bwd_G and seg * launch.chunk == bwd_seg * launch.bwd_chunk
+    Where both passes run by segments that end at the same tokens (kernel_lib.chunked_segments_agree)."""
+    return chunked_segments_agree(q, v, cu_seqlens, launch)
 
 
 def chunked_starts_like(q, v, omega, cu_seqlens, form, launch, for_backward):

@@ -31,7 +31,7 @@ import triton.language as tl
 # the spec-independent helpers and launch policy, written once (attngen/kernel_lib.py)
 from attngen.kernel_lib import (ceil_div, chunk_slots, chunked_blocks, chunked_cast, chunked_check_chunk,
                                 chunked_decay_dtype, chunked_dot, chunked_dot_precision, chunked_pass_dtype,
-                                chunked_qk_group, chunked_state_segments, pow2_ceil)
+                                chunked_qk_group, chunked_segments, chunked_state_segments, pow2_ceil)
 
 SPEC_NAME = "linear_transformer"
 SPEC_HASH = "5dc049b9e2f1b1bc"
@@ -741,12 +741,6 @@ def chunked_saved_like(q, v, form, launch, for_backward):
     if form == "chunked" and for_backward and chunked_keeps_inverse(launch := chunked_launch(launch)):
         return q.new_empty(q.shape[0], q.shape[1], v.shape[2], launch.chunk, dtype=chunked_pass_dtype(q.dtype))
     return q.new_empty(0, dtype=torch.float32)
-
-
-def chunked_segments(N, H, V, T, chunk, launch, split):
-    """(G, SEG): the state passes' segments of each of N sequences of T tokens at `chunk`, H value heads of V
-    lanes (kernel_lib.chunked_state_segments, for the launch's programs); split False: one segment."""
-    return chunked_state_segments(N * H * ceil_div(V, launch.states_BV), T, chunk, launch.segments, split=split)
 
 
 def chunked_keeps_starts(q, v, cu_seqlens, launch):
