@@ -1225,6 +1225,9 @@ def chunked_steps(spec: Spec) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[
         prepare = (("chunked_ut_kernel", ut + "; not where the forward kept (I + A)^-1 (the backward's chunk divides "
                     "the forward's)"),
                    ("chunked_wu_kernel", wu.format(", or at bwd_wu_warps from the forward's (I + A)^-1 where it kept it")))
+        # and the states entering its segments where the backward's end at the same tokens (chunked_keeps_starts)
+        states = (states[0], states[1] + "; from the states entering the segments that the forward's walk left, where "
+                  "its segments end at the same tokens (no first launch or walk of its own)")
     backward = (*prepare, states)
     if norm:
         backward += (("chunked_output_kernel", "chunk-parallel: the normalizer n and c = -do.õ / n² per token" + stored
